@@ -1,0 +1,95 @@
+"""celery-idempotent: exactly-once in effect for Celery tasks.
+
+``@app.task(base=IdempotentTask)`` runs a task's body once per idempotency key and replays the
+stored result to every duplicate delivery. Under it, :class:`DistributedIdempotencyGuard` does
+the same for any Python callable.
+
+Importing this package imports neither ``redis`` nor ``celery``: the Redis classes and
+``IdempotentTask`` load their modules on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from celery_idempotent.backoff import ExponentialJitterBackoff
+from celery_idempotent.exceptions import (
+    IdempotencyAbortedError,
+    IdempotencyBackendError,
+    IdempotencyConnectionError,
+    IdempotencyError,
+    IdempotencyMismatchError,
+    LockAcquisitionError,
+    LockLostError,
+    RecordDecodeError,
+    ResultEncodeError,
+)
+from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, Outcome, current_lease
+from celery_idempotent.keys import fingerprint_payload
+from celery_idempotent.locks.memory import MemoryLockProvider
+from celery_idempotent.protocols import (
+    AtomicBackend,
+    Claim,
+    IdempotencyRecord,
+    IdempotencyStore,
+    Lease,
+    LockProvider,
+)
+from celery_idempotent.stores.memory import MemoryIdempotencyStore
+
+if TYPE_CHECKING:
+    from celery_idempotent.locks.redis import RedisLockProvider
+    from celery_idempotent.stores.redis import RedisIdempotencyStore
+    from celery_idempotent.task import IdempotentTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AtomicBackend",
+    "Claim",
+    "DistributedIdempotencyGuard",
+    "ExponentialJitterBackoff",
+    "GuardEvent",
+    "IdempotencyAbortedError",
+    "IdempotencyBackendError",
+    "IdempotencyConnectionError",
+    "IdempotencyError",
+    "IdempotencyMismatchError",
+    "IdempotencyRecord",
+    "IdempotencyStore",
+    "IdempotentTask",
+    "Lease",
+    "LockAcquisitionError",
+    "LockLostError",
+    "LockProvider",
+    "MemoryIdempotencyStore",
+    "MemoryLockProvider",
+    "Outcome",
+    "RecordDecodeError",
+    "RedisIdempotencyStore",
+    "RedisLockProvider",
+    "ResultEncodeError",
+    "__version__",
+    "current_lease",
+    "fingerprint_payload",
+]
+
+_LAZY = {
+    "RedisLockProvider": "celery_idempotent.locks.redis",
+    "RedisIdempotencyStore": "celery_idempotent.stores.redis",
+    "IdempotentTask": "celery_idempotent.task",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_idempotent' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

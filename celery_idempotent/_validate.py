@@ -1,0 +1,50 @@
+"""Argument checks shared by the guard, the backends and the settings.
+
+Messages name the option and the bad value, as Python's own errors for bad arguments do.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from typing import Any
+
+__all__ = ["check_count", "check_delay", "check_duration"]
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, _dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a number of seconds or a datetime.timedelta, "
+            f"not {type(value).__name__} ({value!r})"
+        )
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_duration(name: str, value: Any) -> float:
+    """A positive duration in seconds (int, float or timedelta) as a float."""
+    seconds = _seconds(name, value)
+    if seconds <= 0:
+        raise ValueError(f"{name} must be greater than 0 seconds, got {value!r}")
+    return seconds
+
+
+def check_delay(name: str, value: Any) -> float:
+    """A delay in seconds that may be 0 (no wait)."""
+    seconds = _seconds(name, value)
+    if seconds < 0:
+        raise ValueError(f"{name} must be 0 or more seconds, got {value!r}")
+    return seconds
+
+
+def check_count(name: str, value: Any) -> int:
+    """A whole number that is 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < 0:
+        raise ValueError(f"{name} must be 0 or more, got {value!r}")
+    return value

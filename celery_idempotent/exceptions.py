@@ -1,0 +1,175 @@
+"""The exceptions of celery-idempotent.
+
+One root, every error carrying the idempotency key it concerns::
+
+    IdempotencyError                  .key
+    ├── LockAcquisitionError          .attempts      the key stayed locked through every attempt
+    ├── IdempotencyAbortedError       .attempts      the abort event was set before the body ran
+    ├── IdempotencyMismatchError      .stored_fingerprint, .fingerprint
+    ├── LockLostError                 .result        body ran, lease lost: not committed
+    ├── IdempotencyBackendError                      a store or lock failed (chains the cause)
+    │   └── IdempotencyConnectionError               the backend could not be reached
+    ├── RecordDecodeError             .content_type  stored record refused (not accepted, corrupt)
+    └── ResultEncodeError             .result        the serializer refused the body's result
+
+Every exception keeps all of its data in ``args``, in the order of its constructor's parameters.
+Celery's result backend rebuilds an exception as ``cls(*args)`` (JSON result serializer) and
+pickle does the same, so ``AsyncResult.get()`` raises the same class with the same attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "IdempotencyAbortedError",
+    "IdempotencyBackendError",
+    "IdempotencyConnectionError",
+    "IdempotencyError",
+    "IdempotencyMismatchError",
+    "LockAcquisitionError",
+    "LockLostError",
+    "RecordDecodeError",
+    "ResultEncodeError",
+]
+
+
+class IdempotencyError(Exception):
+    """Root of every error this library raises. ``key`` is the idempotency key concerned."""
+
+    def __init__(self, key: str | None = None, message: str | None = None) -> None:
+        super().__init__(key, message)
+        self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        text = self.message or self._describe()
+        return f"{text} (key={self.key!r})" if self.key is not None else text
+
+    def _describe(self) -> str:
+        return self.__class__.__name__
+
+
+class LockAcquisitionError(IdempotencyError):
+    """The key's lock was held by someone else through every attempt.
+
+    ``attempts`` is how many acquisition attempts were made (``1 + retry_count``). It is the
+    IETF draft's 409 Conflict: the same key is being processed; retrying later is safe.
+    """
+
+    def __init__(
+        self, key: str | None = None, attempts: int = 0, message: str | None = None
+    ) -> None:
+        Exception.__init__(self, key, attempts, message)
+        self.key = key
+        self.attempts = attempts
+        self.message = message
+
+    def _describe(self) -> str:
+        return f"lock still held by another holder after {self.attempts} attempt(s)"
+
+
+class IdempotencyAbortedError(IdempotencyError):
+    """The ``abort`` event was set before the body started; no lock is left held."""
+
+    def __init__(
+        self, key: str | None = None, attempts: int = 0, message: str | None = None
+    ) -> None:
+        Exception.__init__(self, key, attempts, message)
+        self.key = key
+        self.attempts = attempts
+        self.message = message
+
+    def _describe(self) -> str:
+        return f"aborted after {self.attempts} lock attempt(s)"
+
+
+class IdempotencyMismatchError(IdempotencyError):
+    """The key was used before with another payload (the IETF draft's 422).
+
+    ``stored_fingerprint`` is the fingerprint stored with the result, ``fingerprint`` the one of
+    this call's ``input``. The body was not run.
+    """
+
+    def __init__(
+        self,
+        key: str | None = None,
+        stored_fingerprint: str | None = None,
+        fingerprint: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        Exception.__init__(self, key, stored_fingerprint, fingerprint, message)
+        self.key = key
+        self.stored_fingerprint = stored_fingerprint
+        self.fingerprint = fingerprint
+        self.message = message
+
+    def _describe(self) -> str:
+        return (
+            "idempotency key reused with a different payload "
+            f"(stored fingerprint {self.stored_fingerprint}, this call {self.fingerprint})"
+        )
+
+
+class LockLostError(IdempotencyError):
+    """The body ran, but its lease was lost before the result could be committed.
+
+    Nothing was stored: another holder may own the key now. ``result`` is what the body
+    returned, so the caller can compensate (refund, undo) or decide to keep it.
+    """
+
+    def __init__(
+        self, key: str | None = None, result: Any = None, message: str | None = None
+    ) -> None:
+        Exception.__init__(self, key, result, message)
+        self.key = key
+        self.result = result
+        self.message = message
+
+    def _describe(self) -> str:
+        return "lease lost while the body ran; the result was not committed"
+
+
+class IdempotencyBackendError(IdempotencyError):
+    """A store or lock backend failed. The original exception is chained as ``__cause__``."""
+
+
+class IdempotencyConnectionError(IdempotencyBackendError):
+    """The backend could not be reached (connection refused, timeout, authentication)."""
+
+
+class RecordDecodeError(IdempotencyError):
+    """A stored record was refused: its content type is not accepted, or it is corrupt.
+
+    It is never loaded: a record planted with a content type outside the accept list (pickle,
+    for one) is reported, not deserialized.
+    """
+
+    def __init__(
+        self, key: str | None = None, content_type: str | None = None, message: str | None = None
+    ) -> None:
+        Exception.__init__(self, key, content_type, message)
+        self.key = key
+        self.content_type = content_type
+        self.message = message
+
+    def _describe(self) -> str:
+        return f"stored record refused (content type {self.content_type!r})"
+
+
+class ResultEncodeError(IdempotencyError):
+    """The serializer refused the body's result; nothing was stored and the lock was released.
+
+    ``result`` is what the body returned: its side effects happened, so the caller may need it.
+    """
+
+    def __init__(
+        self, key: str | None = None, result: Any = None, message: str | None = None
+    ) -> None:
+        Exception.__init__(self, key, result, message)
+        self.key = key
+        self.result = result
+        self.message = message
+
+    def _describe(self) -> str:
+        return f"the result serializer refused a result of type {type(self.result).__name__}"

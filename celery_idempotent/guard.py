@@ -1,0 +1,390 @@
+"""The distributed idempotency guard: lock, then look up, then run once and commit.
+
+It knows only the :mod:`~celery_idempotent.protocols`: neither Celery nor Redis is imported
+here. One call of :meth:`DistributedIdempotencyGuard.execute` goes::
+
+    attempt lock ──held──> back off (abort wakes it) ──> ... ──> LockAcquisitionError
+        │ ours
+        ├── record stored? ── fingerprints differ ──> IdempotencyMismatchError
+        │        └── yes ───────────────────────────> return the stored result (fn not called)
+        └── no: run fn (lease renewed meanwhile, current_lease() set)
+                 ├── raised ──> nothing stored, exception propagates
+                 ├── lease lost ──> nothing stored, LockLostError(result=...)
+                 └── commit while still the holder ──> return the result
+    finally: release the lease, only if it is still ours.
+
+With an :class:`~celery_idempotent.protocols.AtomicBackend` (the Redis store paired with the
+Redis lock provider) "attempt lock + look up" is one call and "commit + release" is another.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import random as _random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from celery_idempotent import _renewal
+from celery_idempotent._validate import check_count, check_delay, check_duration
+from celery_idempotent.backoff import ExponentialJitterBackoff, Sleep, event_sleep
+from celery_idempotent.exceptions import (
+    IdempotencyAbortedError,
+    IdempotencyBackendError,
+    IdempotencyConnectionError,
+    IdempotencyError,
+    IdempotencyMismatchError,
+    LockAcquisitionError,
+    LockLostError,
+)
+from celery_idempotent.keys import fingerprint_payload, lock_resource, record_key
+from celery_idempotent.protocols import (
+    AtomicBackend,
+    Claim,
+    IdempotencyRecord,
+    IdempotencyStore,
+    Lease,
+    LockProvider,
+)
+
+__all__ = ["DistributedIdempotencyGuard", "GuardEvent", "Outcome", "current_lease"]
+
+T = TypeVar("T")
+log = logging.getLogger("celery_idempotent")
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+#: The default of ``input``: no payload given, so no fingerprint is stored or compared.
+ABSENT: Any = _Absent()
+
+_current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "celery_idempotent_lease", default=None
+)
+
+
+def current_lease() -> Lease | None:
+    """The lease under which the current guarded body runs, or ``None`` outside of one.
+
+    Pass ``current_lease().fencing_token`` to a downstream system that can refuse writes
+    carrying a token older than one it has already seen: a body whose lease expired (a
+    stalled worker) is then stopped at the door even if it keeps running.
+    """
+    return _current_lease.get()
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    """What :meth:`DistributedIdempotencyGuard.run` did: ``value`` came from the store when
+    ``replayed``, else from running the body; ``fencing_token`` is the lease's (first run) or
+    the stored record's (replay); ``attempts`` counts lock attempts."""
+
+    value: T
+    replayed: bool
+    fencing_token: int | None
+    attempts: int
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """Reported to ``on_event``: ``kind`` is ``"replay"``, ``"contention"`` (an attempt found
+    the key held), ``"committed"`` or ``"lease_lost"``; ``elapsed`` is seconds since execute
+    began (guard clock)."""
+
+    kind: str
+    key: str
+    attempt: int
+    elapsed: float
+    fencing_token: int | None = None
+
+
+class DistributedIdempotencyGuard:
+    """Runs a function at most once per key, and replays its stored result to duplicates.
+
+    ``store`` keeps results for ``ttl`` seconds; ``lock_provider`` serializes callers of one
+    key across threads, processes and machines, with leases of ``lock_ttl`` seconds that are
+    renewed every ``renew_interval`` (a third of ``lock_ttl`` by default) while the body runs.
+    A key that is held is tried ``1 + retry_count`` times, waiting
+    ``retry_base_delay * 2**i + uniform(0, retry_base_delay)`` before retry ``i``, each wait
+    capped at ``retry_max_delay`` when given. ``fingerprint_fn`` hashes ``input`` for mismatch
+    detection; ``key_prefix`` namespaces lock and record names. ``clock`` stamps records;
+    ``sleep`` and ``random`` drive the back-off (inject fakes in tests); ``on_event`` receives
+    :class:`GuardEvent` s (its errors are logged, never raised).
+
+    Durations are seconds (int, float or ``datetime.timedelta``). One instance is safe to share
+    between threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: IdempotencyStore,
+        lock_provider: LockProvider,
+        ttl: Any = 86_400,
+        lock_ttl: Any = 10,
+        retry_count: int = 3,
+        retry_base_delay: Any = 0.1,
+        retry_max_delay: Any = None,
+        renew_interval: Any = None,
+        fingerprint_fn: Callable[[Any], str] = fingerprint_payload,
+        key_prefix: str = "idempotency:",
+        clock: Callable[[], float] = time.time,
+        sleep: Sleep = event_sleep,
+        random: Callable[[], float] = _random.random,
+        on_event: Callable[[GuardEvent], None] | None = None,
+    ) -> None:
+        for name, obj, methods in (
+            ("store", store, ("get", "set", "delete")),
+            ("lock_provider", lock_provider, ("acquire", "extend", "release")),
+        ):
+            missing = [m for m in methods if not callable(getattr(obj, m, None))]
+            if missing:
+                raise TypeError(
+                    f"{name} must implement {', '.join(methods)}; "
+                    f"{type(obj).__name__} lacks {', '.join(missing)}"
+                )
+        for name, fn in (
+            ("fingerprint_fn", fingerprint_fn),
+            ("clock", clock),
+            ("sleep", sleep),
+            ("random", random),
+        ):
+            if not callable(fn):
+                raise TypeError(f"{name} must be callable, not {type(fn).__name__} ({fn!r})")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
+        if not isinstance(key_prefix, str):
+            raise TypeError(f"key_prefix must be a str, not {type(key_prefix).__name__}")
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ValueError(
+                f"key_prefix must not contain braces (Redis hash tags), got {key_prefix!r}"
+            )
+        self.store = store
+        self.lock_provider = lock_provider
+        self.ttl = check_duration("ttl", ttl)
+        self.lock_ttl = check_duration("lock_ttl", lock_ttl)
+        self.retry_count = check_count("retry_count", retry_count)
+        self.retry_base_delay = check_delay("retry_base_delay", retry_base_delay)
+        self.retry_max_delay = (
+            None if retry_max_delay is None else check_delay("retry_max_delay", retry_max_delay)
+        )
+        self.renew_interval = (
+            self.lock_ttl / 3
+            if renew_interval is None
+            else check_duration("renew_interval", renew_interval)
+        )
+        if self.renew_interval >= self.lock_ttl:
+            raise ValueError(
+                f"renew_interval must be shorter than lock_ttl ({self.lock_ttl}), "
+                f"got {renew_interval!r}"
+            )
+        self.fingerprint_fn = fingerprint_fn
+        self.key_prefix = key_prefix
+        self.clock = clock
+        self._sleep = sleep
+        self._backoff = ExponentialJitterBackoff(
+            self.retry_base_delay, self.retry_max_delay, random
+        )
+        self._on_event = on_event
+        atomic_with = getattr(store, "atomic_with", None)
+        self._atomic: AtomicBackend | None = atomic_with(lock_provider) if atomic_with else None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(store={self.store!r}, lock_provider={self.lock_provider!r}, "
+            f"ttl={self.ttl}, lock_ttl={self.lock_ttl}, retry_count={self.retry_count})"
+        )
+
+    def lock_resource(self, key: str) -> str:
+        """The name of ``key``'s lock: ``{key_prefix}lock:{<key>}`` (braces: a hash tag)."""
+        return lock_resource(self.key_prefix, key)
+
+    def record_key(self, key: str) -> str:
+        """The name of ``key``'s record in the store: ``{key_prefix}{<key>}``."""
+        return record_key(self.key_prefix, key)
+
+    def execute(
+        self,
+        key: str,
+        fn: Callable[[], T],
+        *,
+        input: Any = ABSENT,
+        abort: Any = None,
+    ) -> T:
+        """Run ``fn()`` once for ``key`` and return its result; replay it to later calls.
+
+        ``input`` is the payload the key stands for: its fingerprint is stored with the result,
+        and a later call of the same key with a payload of another fingerprint raises
+        :class:`IdempotencyMismatchError` instead of replaying. ``abort``, a
+        ``threading.Event``, stops the lock attempts (not a running ``fn``).
+
+        Raises :class:`LockAcquisitionError` when the key stays held through every attempt,
+        :class:`IdempotencyAbortedError`, :class:`IdempotencyMismatchError`,
+        :class:`LockLostError` (``fn`` ran but its lease was lost: nothing committed), a
+        :class:`IdempotencyBackendError` when the store or lock fails, and whatever ``fn``
+        raises (nothing is stored then).
+        """
+        return self.run(key, fn, input=input, abort=abort).value
+
+    def run(
+        self,
+        key: str,
+        fn: Callable[[], T],
+        *,
+        input: Any = ABSENT,
+        abort: Any = None,
+    ) -> Outcome[T]:
+        """Like :meth:`execute`, but says whether the value was replayed (an :class:`Outcome`)."""
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
+        if not key:
+            raise ValueError("key must not be empty")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__} ({fn!r})")
+        if abort is not None and not callable(getattr(abort, "is_set", None)):
+            raise TypeError(f"abort must be a threading.Event, not {type(abort).__name__}")
+        fingerprint = None if input is ABSENT else self.fingerprint_fn(input)
+        started = self.clock()
+        resource = lock_resource(self.key_prefix, key)
+        rkey = record_key(self.key_prefix, key)
+
+        lease, record, attempts = self._claim(key, resource, rkey, abort, started)
+        if lease is None:
+            if record is None:  # pragma: no cover - a claim without lease returns a record
+                raise IdempotencyBackendError(key, "claim returned neither a lease nor a record")
+            return self._replay(key, record, fingerprint, attempts, started)
+
+        committed = False
+        try:
+            if record is None and self._atomic is None:
+                record = self._backend(key, "store get", self.store.get, rkey)
+            if record is not None:
+                return self._replay(key, record, fingerprint, attempts, started)
+            value = self._run_body(key, fn, lease, started)
+            new = IdempotencyRecord(value, fingerprint, self.clock(), lease.fencing_token)
+            committed = self._commit(key, rkey, lease, new, started)
+            return Outcome(value, False, lease.fencing_token, attempts)
+        finally:
+            if not committed:
+                self._release(key, lease)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _claim(
+        self, key: str, resource: str, rkey: str, abort: Any, started: float
+    ) -> tuple[Lease | None, IdempotencyRecord | None, int]:
+        """Attempt the lock up to ``1 + retry_count`` times. Returns (lease, record, attempts):
+        a lease (record only from an atomic claim, else None), or a record and no lease."""
+        attempts = 0
+        total = 1 + self.retry_count
+        while True:
+            if abort is not None and abort.is_set():
+                raise IdempotencyAbortedError(key, attempts)
+            attempts += 1
+            if self._atomic is not None:
+                claim: Claim = self._backend(
+                    key, "claim", self._atomic.claim, resource, rkey, self.lock_ttl
+                )
+                if claim.lease is not None or claim.record is not None:
+                    return claim.lease, claim.record, attempts
+            else:
+                lease = self._backend(
+                    key, "lock acquire", self.lock_provider.acquire, resource, self.lock_ttl
+                )
+                if lease is not None:
+                    return lease, None, attempts
+            self._emit("contention", key, attempts, started)
+            if attempts >= total:
+                raise LockAcquisitionError(key, attempts)
+            delay = self._backoff.delay(attempts - 1)
+            if self._sleep(delay, abort):
+                raise IdempotencyAbortedError(key, attempts)
+
+    def _replay(
+        self,
+        key: str,
+        record: IdempotencyRecord,
+        fingerprint: str | None,
+        attempts: int,
+        started: float,
+    ) -> Outcome[Any]:
+        if (
+            fingerprint is not None
+            and record.fingerprint is not None
+            and record.fingerprint != fingerprint
+        ):
+            raise IdempotencyMismatchError(key, record.fingerprint, fingerprint)
+        self._emit("replay", key, attempts, started, record.fencing_token)
+        return Outcome(record.result, True, record.fencing_token, attempts)
+
+    def _run_body(self, key: str, fn: Callable[[], T], lease: Lease, started: float) -> T:
+        renewal = _renewal.keeper().keep(
+            self.lock_provider, lease, self.lock_ttl, self.renew_interval
+        )
+        token = _current_lease.set(lease)
+        try:
+            value = fn()
+        finally:
+            _current_lease.reset(token)
+            _renewal.LeaseKeeper.stop(renewal)
+        if renewal.lost:
+            self._emit("lease_lost", key, 0, started, lease.fencing_token)
+            raise LockLostError(key, value) from renewal.error
+        return value
+
+    def _commit(
+        self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord, started: float
+    ) -> bool:
+        """Store the record while still the holder. True when the commit also released."""
+        if self._atomic is not None:
+            ok = self._backend(key, "commit", self._atomic.commit, lease, rkey, record, self.ttl)
+            released = ok
+        else:
+            # Two backends cannot decide atomically: prove the lease (and give it a full
+            # lock_ttl for the write) right before writing.
+            ok = self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
+            if ok:
+                self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
+            released = False
+        if not ok:
+            self._emit("lease_lost", key, 0, started, lease.fencing_token)
+            raise LockLostError(key, record.result)
+        self._emit("committed", key, 0, started, lease.fencing_token)
+        return released
+
+    def _release(self, key: str, lease: Lease) -> None:
+        try:
+            self.lock_provider.release(lease)
+        except Exception as exc:
+            # Never mask the body's outcome; the lease expires on its own within lock_ttl.
+            log.warning("could not release the lock of key %r (%r); it expires by itself", key, exc)
+
+    def _backend(self, key: str, op: str, method: Callable[..., T], *args: Any) -> T:
+        """Call a backend method, turning foreign failures into IdempotencyBackendError."""
+        try:
+            return method(*args)
+        except IdempotencyError as exc:
+            if exc.key == key:
+                raise
+            args_ = list(exc.args)
+            args_[0] = key
+            raise type(exc)(*args_) from (exc.__cause__ or exc)
+        except (ConnectionError, TimeoutError) as exc:
+            raise IdempotencyConnectionError(key, f"{op} failed: {exc!r}") from exc
+        except Exception as exc:
+            raise IdempotencyBackendError(key, f"{op} failed: {exc!r}") from exc
+
+    def _emit(
+        self, kind: str, key: str, attempt: int, started: float, fencing: int | None = None
+    ) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(GuardEvent(kind, key, attempt, self.clock() - started, fencing))
+        except Exception:
+            log.exception("on_event handler failed for %s of key %r", kind, key)

@@ -1,0 +1,113 @@
+"""The shapes a backend implements: a lock provider, a store, and optionally both at once.
+
+A user's own backend (SQL, DynamoDB, ...) needs no base class: implementing the methods of
+:class:`LockProvider` and :class:`IdempotencyStore` is enough. The guard keeps every other
+rule (retries, renewal, fencing checks, mismatch detection) to itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+__all__ = [
+    "AtomicBackend",
+    "Claim",
+    "IdempotencyRecord",
+    "IdempotencyStore",
+    "Lease",
+    "LockProvider",
+]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Proof of one acquisition of a lock.
+
+    ``token`` is unique per acquisition: only the lease that carries it may extend or release
+    the lock. ``fencing_token`` strictly increases across the successive holders of a resource,
+    so a downstream system can refuse a write that carries an older token than one it has seen.
+    """
+
+    resource: str
+    token: str
+    fencing_token: int
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    """A committed result.
+
+    ``fingerprint`` is the payload fingerprint of the call that produced it (``None`` when that
+    call gave no ``input``), ``created_at`` the guard clock's time of the commit, and
+    ``fencing_token`` the token of the lease under which it was committed.
+    """
+
+    result: Any
+    fingerprint: str | None
+    created_at: float
+    fencing_token: int | None = None
+
+
+class Claim(NamedTuple):
+    """What an :class:`AtomicBackend` claim found: a new lease, a stored record, or neither.
+
+    Neither means the lock is held by someone else.
+    """
+
+    lease: Lease | None
+    record: IdempotencyRecord | None
+
+
+@runtime_checkable
+class LockProvider(Protocol):
+    """A lock whose holders prove ownership with a token.
+
+    All methods are safe to call from several threads at once.
+    """
+
+    def acquire(self, resource: str, ttl: float) -> Lease | None:
+        """Take the lock for ``ttl`` seconds, or return ``None`` when another holder has it."""
+
+    def extend(self, lease: Lease, ttl: float) -> bool:
+        """Reset the lease's time left to ``ttl`` seconds; ``False`` when it is no longer ours."""
+
+    def release(self, lease: Lease) -> bool:
+        """Release the lock if ``lease`` still holds it; ``False`` when it is no longer ours."""
+
+    def is_locked(self, resource: str) -> bool:
+        """Whether anyone holds ``resource`` now."""
+
+    def clear(self) -> None:
+        """Drop every lock this provider manages (tests and admin tools)."""
+
+
+@runtime_checkable
+class IdempotencyStore(Protocol):
+    """Where committed results live, each with a time to live."""
+
+    def get(self, key: str) -> IdempotencyRecord | None:
+        """The unexpired record stored under ``key``, or ``None``."""
+
+    def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
+        """Store ``record`` under ``key`` for ``ttl`` seconds."""
+
+    def delete(self, key: str) -> bool:
+        """Remove the record; ``True`` when there was one."""
+
+
+class AtomicBackend(Protocol):
+    """A lock provider and a store that can decide in one step (one Redis round trip).
+
+    A store offers it through ``store.atomic_with(lock_provider)`` when it shares the lock
+    provider's server. The semantics are those of the separate calls, lock first, then store:
+
+    - ``claim``: if the lock is free and a record exists, return the record (no lease taken);
+      if the lock is free and no record exists, take the lock; if the lock is held, neither.
+    - ``commit``: store the record and release the lock, only while ``lease`` still holds it;
+      ``False`` (and nothing written) otherwise.
+    """
+
+    def claim(self, resource: str, key: str, ttl: float) -> Claim: ...
+
+    def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool: ...
