@@ -1,0 +1,251 @@
+"""What the Redis lock provider and store share: the client, error translation, the scripts.
+
+Every decision is one Lua script, registered once per client and called by SHA (redis-py's
+``Script`` falls back to loading it once when the server does not know it yet). The scripts
+are written so that a call retried by the client after a lost reply (redis-py retries on
+connection errors) decides the same as the first: a claim by the token that already holds the
+lock succeeds again, and a commit that already happened reports success.
+
+Key layout for an idempotency key ``k`` and prefix ``p`` (``{...}`` is the Redis Cluster hash
+tag, so all three live in one slot)::
+
+    p lock:{k}          string: the holder's token ("<random>@<owner_id>"), PX = lease
+    p lock:{k}:fence    string: the last fencing token handed out, PX = fence_ttl
+    p {k}               hash: the committed record (see RECORD_FIELDS), PX = record ttl
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from celery_idempotent.exceptions import (
+    IdempotencyBackendError,
+    IdempotencyConnectionError,
+    IdempotencyError,
+)
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = [
+    "ACQUIRE",
+    "CLAIM",
+    "COMMIT",
+    "EXTEND",
+    "RECORD_FIELDS",
+    "RELEASE",
+    "default_owner_id",
+    "import_redis",
+    "make_client",
+    "new_token",
+    "same_server",
+    "translate_errors",
+]
+
+INSTALL_HINT = "the Redis backends need the redis package: pip install 'celery-idempotent[redis]'"
+
+#: Defaults for clients built from a URL; options in the URL's query string win. Without a
+#: socket timeout a stalled network would block a worker forever instead of failing over.
+CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+}
+
+#: Hash fields of a record, in the order the scripts read and write them.
+#: v: format version; ct/enc/data: kombu's (content type, encoding, payload); fp: fingerprint
+#: ("" for none); at: guard clock at commit; fence: fencing token of the committing lease.
+RECORD_FIELDS = ("v", "ct", "enc", "data", "fp", "at", "fence")
+RECORD_VERSION = "1"
+
+# Shared by ACQUIRE and CLAIM: take the free lock for ARGV[1] with a PX of ARGV[2] and hand out
+# the next fencing token: max(last + 1, server time in µs). The time floor keeps tokens
+# increasing even after the fence key expired (it lives fence_ttl, not forever, so that keys
+# no longer used do not pile up). TIME makes the script non-deterministic: effects replication
+# (the default from Redis 7, asked for explicitly on 6.x) replicates the writes, not the script.
+_TAKE = """
+local function take(lock, fence, token, px, fence_px)
+  redis.call('set', lock, token, 'PX', px)
+  local t = redis.call('time')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local last = tonumber(redis.call('get', fence) or '0')
+  local f = math.max(last + 1, now)
+  redis.call('set', fence, string.format('%d', f), 'PX', fence_px)
+  return f
+end
+local function fence_of(fence)
+  return tonumber(redis.call('get', fence) or '0')
+end
+if redis.replicate_commands then redis.replicate_commands() end
+"""
+
+# KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms  ARGV[3] fence ttl ms
+# -> fencing token (> 0) when taken (or already held by this very token), 0 when held by another
+ACQUIRE = (
+    _TAKE
+    + """
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then return fence_of(KEYS[2]) end
+if holder then return 0 end
+return take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
+"""
+)
+
+# KEYS[1] lock  KEYS[2] fence  KEYS[3] record   ARGV as ACQUIRE
+# Lock first, then the store, in one step:
+# -> {0}                    the lock is held by another holder (the record is not looked at)
+# -> {1, fencing token}     the lock was free and there is no record: the lock is now ours
+# -> {2, v, ct, enc, data, fp, at, fence}   the lock was free and a record exists: not taken
+CLAIM = (
+    _TAKE
+    + """
+local holder = redis.call('get', KEYS[1])
+if holder == ARGV[1] then return {1, fence_of(KEYS[2])} end
+if holder then return {0} end
+local rec = redis.call('hmget', KEYS[3], 'v', 'ct', 'enc', 'data', 'fp', 'at', 'fence')
+if rec[1] then
+  return {2, rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]}
+end
+return {1, take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])}
+"""
+)
+
+# KEYS[1] lock  KEYS[2] record   ARGV[1] token  ARGV[2] record ttl ms  ARGV[3..9] RECORD_FIELDS
+# -> 1 committed and released; 0 not the holder (nothing written).
+# A retry of a commit that already went through finds its own record (same fence): 1.
+COMMIT = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then
+  local fence = redis.call('hget', KEYS[2], 'fence')
+  if fence and fence == ARGV[9] and ARGV[9] ~= '' then return 1 end
+  return 0
+end
+redis.call('del', KEYS[2])
+redis.call('hset', KEYS[2], 'v', ARGV[3], 'ct', ARGV[4], 'enc', ARGV[5], 'data', ARGV[6],
+           'fp', ARGV[7], 'at', ARGV[8], 'fence', ARGV[9])
+redis.call('pexpire', KEYS[2], ARGV[2])
+redis.call('del', KEYS[1])
+return 1
+"""
+
+# KEYS[1] lock   ARGV[1] token  ARGV[2] lease ms
+# -> 1 extended, 0 not the holder (nothing changed)
+EXTEND = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# KEYS[1] lock   ARGV[1] token
+# -> 1 released, 0 not the holder (nothing changed)
+RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+def import_redis() -> Any:
+    """The ``redis`` module, or an ImportError that says what to install."""
+    try:
+        import redis  # noqa: PLC0415 - optional dependency, imported on first use
+    except ImportError as exc:  # pragma: no cover - the test environment has redis
+        raise ImportError(INSTALL_HINT) from exc
+    return redis
+
+
+def make_client(client: Any, url: str | None, what: str) -> redis.Redis:
+    """The given client, or one made from ``url``; exactly one of the two must be given."""
+    redis_mod = import_redis()
+    if client is not None and url is not None:
+        raise TypeError(f"{what}: pass client= or url=, not both")
+    if client is not None:
+        if not callable(getattr(client, "register_script", None)):
+            raise TypeError(
+                f"{what}: client must be a redis-py client (redis.Redis, a Sentinel master, "
+                f"redis.cluster.RedisCluster), not {type(client).__name__}"
+            )
+        return client  # type: ignore[no-any-return]
+    if url is None:
+        raise TypeError(f"{what}: pass client= (a redis-py client) or url= (redis://...)")
+    if not isinstance(url, str):
+        raise TypeError(f"{what}: url must be a str, not {type(url).__name__} ({url!r})")
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            f"{what}: url must start with redis://, rediss:// or unix://, got {_redact(url)!r}"
+        )
+    return redis_mod.Redis.from_url(url, **CLIENT_DEFAULTS)  # type: ignore[no-any-return]
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for error messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+
+
+def same_server(a: Any, b: Any) -> bool:
+    """Whether two redis-py clients talk to the same server and database."""
+    if a is b:
+        return True
+    pool_a = getattr(a, "connection_pool", None)
+    pool_b = getattr(b, "connection_pool", None)
+    if pool_a is None or pool_b is None:
+        return False
+    if pool_a is pool_b:
+        return True
+    keys = ("host", "port", "db", "path", "username")
+    kw_a, kw_b = pool_a.connection_kwargs, pool_b.connection_kwargs
+    return type(a) is type(b) and all(kw_a.get(k) == kw_b.get(k) for k in keys)
+
+
+def default_owner_id() -> str:
+    """``host:pid:random``: who holds a lock, as shown by ``celery idempotency inspect``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def new_token(owner_id: str) -> str:
+    """A token unique to one acquisition, naming its owner."""
+    return f"{secrets.token_hex(12)}@{owner_id}"
+
+
+def ms(seconds: float) -> int:
+    """Seconds as whole milliseconds for PX, never 0 (PX 0 is an error)."""
+    return max(1, round(seconds * 1000))
+
+
+@contextlib.contextmanager
+def translate_errors(key: str, op: str) -> Iterator[None]:
+    """Turn redis-py exceptions into the library's, chaining the original."""
+    redis_mod = import_redis()
+    try:
+        yield
+    except IdempotencyError:
+        raise
+    except (
+        redis_mod.exceptions.ConnectionError,
+        redis_mod.exceptions.TimeoutError,
+        redis_mod.exceptions.AuthenticationError,
+        ConnectionError,
+        TimeoutError,
+    ) as exc:
+        raise IdempotencyConnectionError(key, f"Redis {op} failed: {exc}") from exc
+    except redis_mod.exceptions.RedisError as exc:
+        raise IdempotencyBackendError(key, f"Redis {op} failed: {exc}") from exc
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal in a SCAN MATCH pattern."""
+    out = []
+    for ch in text:
+        if ch in "*?[]\\":
+            out.append("\\")
+        out.append(ch)
+    return "".join(out)

@@ -1,0 +1,113 @@
+"""The Redis lock provider: owner-safe leases with fencing tokens, one round trip each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_idempotent import _redis
+from celery_idempotent._validate import check_duration
+from celery_idempotent.protocols import Lease
+
+__all__ = ["RedisLockProvider"]
+
+
+class RedisLockProvider:
+    """Leases on a Redis server (``redis.Redis``, a Sentinel master, or ``RedisCluster``).
+
+    Pass a ready ``client`` or a ``url`` (``redis://``, ``rediss://``, ``unix://``). Each
+    acquisition stores a token unique to it (``<random>@<owner_id>``; ``owner_id`` defaults to
+    ``host:pid:random``), and extend and release are Lua scripts that act only when the lock
+    still holds that token: a holder whose lease expired can never release or extend the next
+    holder's lease. Lease expiry is the server's ``PX``: no client clock decides it.
+
+    Fencing tokens strictly increase per resource: ``max(last + 1, server time in µs)``, the
+    last one kept ``fence_ttl`` seconds after each acquisition.
+
+    ``key_prefix`` only scopes :meth:`clear`; resource names come from the guard.
+    """
+
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        url: str | None = None,
+        owner_id: str | None = None,
+        fence_ttl: Any = 7 * 86_400,
+        key_prefix: str = "idempotency:",
+    ) -> None:
+        self.client = _redis.make_client(client, url, "RedisLockProvider")
+        if owner_id is not None and (not isinstance(owner_id, str) or not owner_id):
+            raise TypeError(f"owner_id must be a non-empty str, not {owner_id!r}")
+        self.owner_id = owner_id or _redis.default_owner_id()
+        self.fence_ttl = check_duration("fence_ttl", fence_ttl)
+        self.key_prefix = key_prefix
+        self._acquire = self.client.register_script(_redis.ACQUIRE)
+        self._extend = self.client.register_script(_redis.EXTEND)
+        self._release = self.client.register_script(_redis.RELEASE)
+
+    def __repr__(self) -> str:
+        return f"RedisLockProvider(client={self.client!r}, owner_id={self.owner_id!r})"
+
+    @staticmethod
+    def fence_key(resource: str) -> str:
+        """Where the last fencing token of ``resource`` is kept (same hash slot)."""
+        return f"{resource}:fence"
+
+    def acquire(self, resource: str, ttl: float) -> Lease | None:
+        """Take ``resource`` for ``ttl`` seconds (one round trip); ``None`` when it is held."""
+        ttl = check_duration("ttl", ttl)
+        token = _redis.new_token(self.owner_id)
+        with _redis.translate_errors(resource, "lock acquire"):
+            fence = self._acquire(
+                keys=[resource, self.fence_key(resource)],
+                args=[token, _redis.ms(ttl), _redis.ms(self.fence_ttl)],
+            )
+        if not fence:
+            return None
+        return Lease(resource=resource, token=token, fencing_token=int(fence))
+
+    def extend(self, lease: Lease, ttl: float) -> bool:
+        """Reset the lease to ``ttl`` seconds if it is still ours (one round trip)."""
+        ttl = check_duration("ttl", ttl)
+        with _redis.translate_errors(lease.resource, "lock extend"):
+            return bool(self._extend(keys=[lease.resource], args=[lease.token, _redis.ms(ttl)]))
+
+    def release(self, lease: Lease) -> bool:
+        """Release the lock if ``lease`` still holds it (one round trip)."""
+        with _redis.translate_errors(lease.resource, "lock release"):
+            return bool(self._release(keys=[lease.resource], args=[lease.token]))
+
+    def is_locked(self, resource: str) -> bool:
+        """Whether anyone holds ``resource`` now."""
+        with _redis.translate_errors(resource, "lock check"):
+            return bool(self.client.exists(resource))
+
+    def holder(self, resource: str) -> str | None:
+        """The token of the current holder (``<random>@<owner_id>``), or ``None``."""
+        with _redis.translate_errors(resource, "lock check"):
+            value = self.client.get(resource)
+        if value is None:
+            return None
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def clear(self) -> None:
+        """Delete every lock under ``key_prefix`` (SCAN in batches, never KEYS)."""
+        pattern = _redis.glob_escape(f"{self.key_prefix}lock:") + "*"
+        with _redis.translate_errors(self.key_prefix, "lock clear"):
+            batch: list[Any] = []
+            for name in self.client.scan_iter(match=pattern, count=500):
+                if name.endswith(b":fence"):
+                    continue
+                batch.append(name)
+                if len(batch) >= 500:
+                    self._delete(batch)
+                    batch = []
+            if batch:
+                self._delete(batch)
+
+    def _delete(self, names: list[Any]) -> None:
+        # One name per DEL: in a cluster the names live in different slots.
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        pipe.execute()

@@ -1,0 +1,196 @@
+"""The Redis store: records as hashes, results through kombu's serializers.
+
+Results are encoded with kombu (as Celery's result backend encodes them) and decoded only with
+an explicit accept list: JSON unless the user accepts more. A record whose content type is not
+accepted (a pickle planted by whoever can write to the Redis) raises ``RecordDecodeError`` and
+is never deserialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from celery_idempotent import _redis
+from celery_idempotent._validate import check_duration
+from celery_idempotent.exceptions import RecordDecodeError, ResultEncodeError
+from celery_idempotent.locks.redis import RedisLockProvider
+from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
+
+__all__ = ["RedisAtomicBackend", "RedisIdempotencyStore"]
+
+
+def _kombu() -> Any:
+    """kombu's serialization module (typed loosely: kombu ships no type information)."""
+    import kombu.serialization  # noqa: PLC0415 - kombu is imported only with a Redis store
+
+    return kombu.serialization
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class RedisIdempotencyStore:
+    """Committed results in Redis, each a hash with a server-side TTL.
+
+    Pass a ready ``client`` or a ``url``. ``serializer`` is a kombu serializer name (``"json"``,
+    ``"msgpack"``, ``"yaml"``, ``"pickle"``) used to store results; ``accept`` lists the
+    serializer names or content types a stored result may be loaded from. Pickle is loaded only
+    when ``accept`` names it.
+
+    Paired with a :class:`RedisLockProvider` on the same server (see :meth:`atomic_with`), the
+    guard claims and commits in one round trip each.
+    """
+
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        url: str | None = None,
+        serializer: str = "json",
+        accept: Iterable[str] | None = ("json",),
+    ) -> None:
+        registry = _kombu().registry
+        self.client = _redis.make_client(client, url, "RedisIdempotencyStore")
+        if not isinstance(serializer, str) or serializer not in registry._encoders:
+            known = ", ".join(sorted(registry._encoders))
+            raise ValueError(f"serializer must be one of {known}, got {serializer!r}")
+        if accept is None or isinstance(accept, str):
+            raise TypeError(
+                "accept must be a list of serializer names or content types (e.g. ['json']), "
+                f"got {accept!r}"
+            )
+        try:
+            self.accept = frozenset(_kombu().prepare_accept_content(list(accept)))
+        except Exception as exc:
+            raise ValueError(f"accept names an unknown serializer: {accept!r} ({exc})") from exc
+        self.serializer = serializer
+        if registry._encoders[serializer].content_type not in self.accept:
+            raise ValueError(
+                f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
+                "refuse to read back; add it to accept"
+            )
+        self._commit = self.client.register_script(_redis.COMMIT)
+
+    def __repr__(self) -> str:
+        return f"RedisIdempotencyStore(client={self.client!r}, serializer={self.serializer!r})"
+
+    # -- encoding ---------------------------------------------------------------------------
+
+    def encode(self, key: str, record: IdempotencyRecord) -> list[Any]:
+        """The values of ``RECORD_FIELDS`` for ``record``; ResultEncodeError if refused."""
+        try:
+            content_type, encoding, data = _kombu().dumps(record.result, serializer=self.serializer)
+        except Exception as exc:
+            raise ResultEncodeError(key, record.result, f"{self.serializer}: {exc}") from exc
+        return [
+            _redis.RECORD_VERSION,
+            content_type,
+            encoding,
+            data,
+            record.fingerprint or "",
+            repr(float(record.created_at)),
+            "" if record.fencing_token is None else str(record.fencing_token),
+        ]
+
+    def decode(self, key: str, values: Sequence[Any]) -> IdempotencyRecord:
+        """A record from the values of ``RECORD_FIELDS``; RecordDecodeError if refused."""
+        if len(values) != len(_redis.RECORD_FIELDS) or any(v is None for v in values):
+            raise RecordDecodeError(key, None, "stored record is incomplete or not ours")
+        version, ctype, encoding, data, fp, at, fence = values
+        content_type = _text(ctype)
+        if _text(version) != _redis.RECORD_VERSION:
+            raise RecordDecodeError(key, content_type, f"unknown record version {version!r}")
+        if content_type not in self.accept:
+            raise RecordDecodeError(
+                key,
+                content_type,
+                f"stored result has content type {content_type!r}, which accept="
+                f"{sorted(self.accept)} does not allow; it was not loaded",
+            )
+        try:
+            result = _kombu().loads(data, content_type, _text(encoding), accept=self.accept)
+            fingerprint = _text(fp) or None
+            fence_text = _text(fence)
+            return IdempotencyRecord(
+                result=result,
+                fingerprint=fingerprint,
+                created_at=float(_text(at)),
+                fencing_token=int(fence_text) if fence_text else None,
+            )
+        except Exception as exc:
+            raise RecordDecodeError(key, content_type, f"corrupt record: {exc}") from exc
+
+    # -- IdempotencyStore -------------------------------------------------------------------
+
+    def get(self, key: str) -> IdempotencyRecord | None:
+        """The record under ``key``, or ``None`` (one round trip)."""
+        with _redis.translate_errors(key, "store get"):
+            values = self.client.hmget(key, list(_redis.RECORD_FIELDS))
+        if all(v is None for v in values):
+            return None
+        return self.decode(key, values)
+
+    def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
+        """Replace the record under ``key``, for ``ttl`` seconds, atomically (one round trip)."""
+        ttl = check_duration("ttl", ttl)
+        fields = self.encode(key, record)
+        with _redis.translate_errors(key, "store set"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.hset(key, mapping=dict(zip(_redis.RECORD_FIELDS, fields)))
+            pipe.pexpire(key, _redis.ms(ttl))
+            pipe.execute()
+
+    def delete(self, key: str) -> bool:
+        """Delete the record under ``key``; ``True`` when there was one."""
+        with _redis.translate_errors(key, "store delete"):
+            return bool(self.client.delete(key))
+
+    # -- pairing ----------------------------------------------------------------------------
+
+    def atomic_with(self, lock_provider: Any) -> RedisAtomicBackend | None:
+        """A one-round-trip claim/commit pair when ``lock_provider`` is a
+        :class:`RedisLockProvider` on the same server, else ``None`` (the guard then calls
+        the lock provider and the store one after the other)."""
+        if isinstance(lock_provider, RedisLockProvider) and _redis.same_server(
+            self.client, lock_provider.client
+        ):
+            return RedisAtomicBackend(self, lock_provider)
+        return None
+
+
+class RedisAtomicBackend:
+    """Claim (lock + look up) and commit (store + release) as one Lua script each."""
+
+    def __init__(self, store: RedisIdempotencyStore, locks: RedisLockProvider) -> None:
+        self.store = store
+        self.locks = locks
+        self._claim = store.client.register_script(_redis.CLAIM)
+
+    def claim(self, resource: str, key: str, ttl: float) -> Claim:
+        """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
+        token = _redis.new_token(self.locks.owner_id)
+        with _redis.translate_errors(key, "claim"):
+            reply = self._claim(
+                keys=[resource, self.locks.fence_key(resource), key],
+                args=[token, _redis.ms(ttl), _redis.ms(self.locks.fence_ttl)],
+            )
+        status = int(reply[0])
+        if status == 1:
+            return Claim(Lease(resource, token, int(reply[1])), None)
+        if status == 2:
+            return Claim(None, self.store.decode(key, reply[1:]))
+        return Claim(None, None)
+
+    def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
+        fields = self.store.encode(key, record)
+        with _redis.translate_errors(key, "commit"):
+            return bool(
+                self.store._commit(
+                    keys=[lease.resource, key],
+                    args=[lease.token, _redis.ms(ttl), *fields],
+                )
+            )
