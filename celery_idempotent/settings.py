@@ -1,0 +1,195 @@
+"""Settings of :class:`~celery_idempotent.IdempotentTask`, read from the Celery app's config.
+
+The defaults live here once, in :data:`DEFAULTS`; the README's table is checked against them by
+the test suite. Values are read lazily with ``app.conf.get(name)`` (never ``add_defaults`` or
+``setdefault``, which would hide a value set through Django's ``CELERY_`` namespace), validated
+with an error that names the setting, and cached per app. A task option of the same name
+(``@app.task(base=IdempotentTask, idempotency_ttl=60)``) overrides the app's setting for that
+task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery_idempotent._validate import check_count, check_delay, check_duration
+
+__all__ = ["DEFAULTS", "ON_LOCKED_POLICIES", "IdempotencySettings", "clear_cache", "resolve"]
+
+ON_LOCKED_POLICIES = ("retry", "raise", "ignore")
+KEY_STRATEGIES = ("args", "task_id")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+@dataclass(frozen=True)
+class IdempotencySettings:
+    """The resolved settings for one task. Field names are the setting names."""
+
+    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://`` or ``memory://``;
+    #: ``None`` here means "fall back to a Redis ``broker_url``".
+    idempotency_url: str | None = None
+    #: ``"args"``, ``"task_id"``, a format string over the bound arguments, or a callable
+    #: ``(task, args, kwargs) -> str``.
+    idempotency_key: Any = "args"
+    #: seconds a committed result is kept.
+    idempotency_ttl: float = 86_400
+    #: lease seconds; renewed while the body runs.
+    idempotency_lock_ttl: float = 10
+    #: lock attempts after the first, inside one delivery.
+    idempotency_retry_count: int = 3
+    #: back-off base between those attempts, seconds.
+    idempotency_retry_base_delay: float = 0.1
+    #: what a delivery that finds the key still held does: ``"retry"`` (re-queue with a
+    #: growing countdown; not counted against ``max_retries``), ``"raise"``
+    #: (``LockAcquisitionError``) or ``"ignore"`` (Celery ``Ignore``).
+    idempotency_on_locked: str = "retry"
+    #: namespace of every Redis key.
+    idempotency_key_prefix: str = "idempotency:"
+    #: kill switch: ``False`` runs tasks plainly, without any guard.
+    idempotency_enabled: bool = True
+
+    @property
+    def backend_url(self) -> str:
+        """``idempotency_url`` after the ``broker_url`` fallback (set by :func:`resolve`)."""
+        if self.idempotency_url is None:  # pragma: no cover - resolve() always fills it
+            raise ValueError("idempotency_url is not resolved")
+        return self.idempotency_url
+
+
+#: Every setting with its default, in the order of the README's table.
+DEFAULTS: Mapping[str, Any] = {f.name: f.default for f in dataclasses.fields(IdempotencySettings)}
+
+_cache: weakref.WeakKeyDictionary[Any, dict[str, IdempotencySettings]] = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
+
+
+def clear_cache(app: Any = None) -> None:
+    """Forget cached settings (of one app, or of all): the next task call reads them again."""
+    with _cache_lock:
+        if app is None:
+            _cache.clear()
+        else:
+            _cache.pop(app, None)
+
+
+def resolve(app: Any, task: Any) -> IdempotencySettings:
+    """The settings for ``task``: its own options over ``app.conf`` over :data:`DEFAULTS`."""
+    name = getattr(task, "name", None) or type(task).__name__
+    with _cache_lock:
+        per_app = _cache.get(app)
+        if per_app is not None and name in per_app:
+            return per_app[name]
+    values: dict[str, Any] = {}
+    conf = app.conf
+    for setting, default in DEFAULTS.items():
+        value = _task_option(task, setting)
+        if value is _MISSING:
+            value = conf.get(setting, default)
+            if value is None and setting != "idempotency_url":
+                value = default
+        values[setting] = _validate(setting, value, task_name=name)
+    if values["idempotency_url"] is None:
+        values["idempotency_url"] = _broker_fallback(conf)
+    resolved = IdempotencySettings(**values)
+    with _cache_lock:
+        _cache.setdefault(app, {})[name] = resolved
+    return resolved
+
+
+class _Missing:
+    pass
+
+
+_MISSING: Any = _Missing()
+
+
+def _task_option(task: Any, setting: str) -> Any:
+    # getattr_static: a callable set with @app.task(idempotency_key=fn) is a plain function
+    # on the generated class; plain getattr would hand back a bound method.
+    try:
+        value = inspect.getattr_static(type(task), setting)
+    except AttributeError:
+        return _MISSING
+    if isinstance(value, staticmethod):
+        value = value.__func__
+    return _MISSING if value is None else value
+
+
+def _validate(setting: str, value: Any, *, task_name: str) -> Any:
+    where = f"{setting} (task {task_name})"
+    if setting == "idempotency_url":
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise TypeError(f"{where} must be a URL string, not {type(value).__name__}")
+        if not value.startswith((*REDIS_SCHEMES, "memory://")):
+            raise ValueError(
+                f"{where} must be a redis://, rediss://, unix:// or memory:// URL, "
+                f"got {_redact(value)!r}"
+            )
+        return value
+    if setting == "idempotency_key":
+        if callable(value):
+            return value
+        if not isinstance(value, str) or not value:
+            raise TypeError(
+                f"{where} must be 'args', 'task_id', a format string or a callable "
+                f"(task, args, kwargs) -> str, not {value!r}"
+            )
+        return value
+    if setting in ("idempotency_ttl", "idempotency_lock_ttl"):
+        return check_duration(where, value)
+    if setting == "idempotency_retry_count":
+        return check_count(where, value)
+    if setting == "idempotency_retry_base_delay":
+        return check_delay(where, value)
+    if setting == "idempotency_on_locked":
+        if value not in ON_LOCKED_POLICIES:
+            raise ValueError(
+                f"{where} must be one of {', '.join(ON_LOCKED_POLICIES)}, got {value!r}"
+            )
+        return value
+    if setting == "idempotency_key_prefix":
+        if not isinstance(value, str) or not value or "{" in value or "}" in value:
+            raise ValueError(f"{where} must be a non-empty str without braces, got {value!r}")
+        return value
+    if setting == "idempotency_enabled":
+        if not isinstance(value, bool):
+            raise TypeError(f"{where} must be True or False, got {value!r}")
+        return value
+    raise AssertionError(setting)  # pragma: no cover
+
+
+def _broker_fallback(conf: Any) -> str:
+    broker = conf.get("broker_url") or conf.get("broker_host") or ""
+    if isinstance(broker, (list, tuple)):
+        broker = broker[0] if broker else ""
+    first = str(broker).split(";")[0].strip()
+    if first.startswith(REDIS_SCHEMES):
+        return first
+    raise ValueError(
+        "idempotency_url is not set and broker_url "
+        f"({_redact(first) or 'unset'!r}) is not a Redis URL: set "
+        "app.conf.idempotency_url = 'redis://host:6379/0' (or 'memory://' for one process)"
+    )
+
+
+def _redact(url: str) -> str:
+    from celery_idempotent._redis import _redact as redact  # noqa: PLC0415
+
+    return redact(url)
+
+
+def setting_names() -> list[str]:
+    """The setting names, for documentation and tests."""
+    return list(DEFAULTS)
+
+
+#: ``(task, args, kwargs) -> str``: the shape of a callable ``idempotency_key``.
+KeyFunction = Callable[[Any, tuple[Any, ...], dict[str, Any]], str]

@@ -1,0 +1,359 @@
+"""``IdempotentTask``: a Celery task base that runs each idempotency key's body once.
+
+Celery's tracer calls a task's own ``__call__`` when the class defines one, after it has pushed
+the request; ``IdempotentTask.__call__`` reads the request, derives the key and runs the body
+(``super().__call__``) through a :class:`~celery_idempotent.DistributedIdempotencyGuard`.
+One task instance serves every thread of a process, so nothing per call is kept on ``self``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import inspect
+import logging
+import os
+import random
+import string
+import threading
+import time
+from typing import Any, ClassVar
+
+from celery import Task
+from celery.exceptions import Ignore, Retry
+
+from celery_idempotent import signals
+from celery_idempotent.exceptions import (
+    IdempotencyConnectionError,
+    LockAcquisitionError,
+)
+from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, current_lease
+from celery_idempotent.keys import fingerprint_payload
+from celery_idempotent.locks.memory import MemoryLockProvider
+from celery_idempotent.protocols import IdempotencyStore, LockProvider
+from celery_idempotent.settings import IdempotencySettings, resolve
+from celery_idempotent.stores.memory import MemoryIdempotencyStore
+
+__all__ = ["KEY_HEADER", "REQUEUE_HEADER", "IdempotentTask", "reset_backends"]
+
+log = logging.getLogger("celery_idempotent")
+
+#: The per-call header that sets the key explicitly:
+#: ``task.apply_async(args, headers={"idempotency_key": "payment-42"})``.
+KEY_HEADER = "idempotency_key"
+#: How many times a duplicate was re-queued because its key was held (drives the countdown).
+REQUEUE_HEADER = "idempotency_requeues"
+
+#: The longest countdown between re-queues of a duplicate that finds its key held.
+MAX_REQUEUE_DELAY = 5.0
+
+_backends_lock = threading.Lock()
+# (pid, url, prefix, serializer, accept) -> (lock provider, store); per process because a
+# client made before fork must not be shared with the children.
+_backends: dict[tuple[Any, ...], tuple[LockProvider, IdempotencyStore]] = {}
+# (pid, id(app), task name) -> guard
+_guards: dict[tuple[Any, ...], DistributedIdempotencyGuard] = {}
+
+_current_guard: contextvars.ContextVar[DistributedIdempotencyGuard | None] = contextvars.ContextVar(
+    "celery_idempotent_guard", default=None
+)
+
+
+def reset_backends() -> None:
+    """Forget every client and guard made so far (tests; after changing settings)."""
+    with _backends_lock:
+        _backends.clear()
+        _guards.clear()
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """A task whose body runs once per idempotency key; duplicates get the stored result.
+
+    Use it as ``@app.task(base=IdempotentTask)``. The key comes from, in order: a per-call
+    ``idempotency_key`` header; else the ``idempotency_key`` option or setting: ``"args"``
+    (the canonical hash of the arguments bound to the signature, defaults applied),
+    ``"task_id"``, a format string over the bound arguments (``"order:{order_id}"``), or a
+    callable ``(task, args, kwargs) -> str``. Keys are namespaced by task name.
+
+    The fingerprint of the bound arguments is stored with the result: a later delivery with
+    the same key and other arguments fails with ``IdempotencyMismatchError``.
+
+    Inside the body, :func:`celery_idempotent.current_lease` gives the lease and its fencing
+    token. A direct call ``task(...)`` (no Celery request) runs the body plainly.
+    """
+
+    abstract = True
+    #: Task options (same names as the settings); ``None`` means "use the app's setting".
+    idempotency_url: ClassVar[str | None] = None
+    idempotency_key: ClassVar[Any] = None
+    idempotency_ttl: ClassVar[Any] = None
+    idempotency_lock_ttl: ClassVar[Any] = None
+    idempotency_retry_count: ClassVar[int | None] = None
+    idempotency_retry_base_delay: ClassVar[Any] = None
+    idempotency_on_locked: ClassVar[str | None] = None
+    idempotency_key_prefix: ClassVar[str | None] = None
+    idempotency_enabled: ClassVar[bool | None] = None
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        cfg = self.idempotency_settings()
+        if not cfg.idempotency_enabled:
+            return super().__call__(*args, **kwargs)
+        payload = self._bound_arguments(args, kwargs)
+        key = self.idempotency_key_for(args, kwargs, payload=payload)
+        guard = self._guard(cfg)
+        started: list[bool] = []
+
+        def body() -> Any:
+            started.append(True)
+            return super(IdempotentTask, self).__call__(*args, **kwargs)
+
+        token = _current_guard.set(guard)
+        try:
+            while True:
+                try:
+                    outcome = guard.run(key, body, input=payload)
+                except LockAcquisitionError as exc:
+                    self._on_locked(cfg, key, exc, args, kwargs)
+                except IdempotencyConnectionError as exc:
+                    # Redis unreachable before the body ran: nothing happened, so a re-queue
+                    # is safe. After the body ran the error stands (the result is not stored).
+                    if started or cfg.idempotency_on_locked != "retry":
+                        raise
+                    log.warning(
+                        "idempotency backend unreachable for %s[%s]; re-queueing: %s",
+                        self.name,
+                        request.id,
+                        exc,
+                    )
+                    self._requeue(cfg, exc, args, kwargs)
+                else:
+                    break
+        finally:
+            _current_guard.reset(token)
+        if outcome.replayed:
+            log.info(
+                "replayed stored result for %s[%s] key=%s (fencing token %s)",
+                self.name,
+                request.id,
+                _hash(key),
+                outcome.fencing_token,
+            )
+        return outcome.value
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, after releasing this delivery's lock.
+
+        ``Task.retry`` publishes the retry message before it raises ``Retry``; with a
+        concurrent pool the retry could otherwise arrive while the lock is still held.
+        """
+        guard = _current_guard.get()
+        lease = current_lease()
+        if guard is not None and lease is not None:
+            try:
+                guard.lock_provider.release(lease)
+            except Exception as exc:  # the lease expires by itself; retrying matters more
+                log.warning("could not release the lock before retry of %s: %r", self.name, exc)
+        return super().retry(*args, **kwargs)
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def idempotency_settings(self) -> IdempotencySettings:
+        """The settings in force for this task (task options over ``app.conf``)."""
+        return resolve(self.app, self)
+
+    def idempotency_key_for(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None
+    ) -> str:
+        """The namespaced key of a call with ``args`` and ``kwargs`` in the current request."""
+        headers = getattr(self.request, "headers", None) or {}
+        explicit = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
+        if explicit is None:
+            explicit = getattr(self.request, KEY_HEADER, None)
+        if explicit is not None:
+            if not isinstance(explicit, str) or not explicit:
+                raise TypeError(
+                    f"the {KEY_HEADER!r} header must be a non-empty str, got {explicit!r}"
+                )
+            return f"{self.name}:key:{explicit}"
+        strategy = self.idempotency_settings().idempotency_key
+        if payload is None:
+            payload = self._bound_arguments(args, kwargs)
+        if callable(strategy):
+            key = strategy(self, args, kwargs)
+            if not isinstance(key, str) or not key:
+                raise TypeError(
+                    f"idempotency_key callable of task {self.name} must return a non-empty "
+                    f"str, returned {type(key).__name__}"
+                )
+            return f"{self.name}:key:{key}"
+        if strategy == "args":
+            return f"{self.name}:args:{fingerprint_payload(payload)}"
+        if strategy == "task_id":
+            return f"{self.name}:id:{self.request.id}"
+        return f"{self.name}:key:{self._format_key(strategy, payload)}"
+
+    def _format_key(self, template: str, payload: dict[str, Any]) -> str:
+        names = {
+            field.split(".")[0].split("[")[0]
+            for _, field, _, _ in string.Formatter().parse(template)
+            if field is not None
+        }
+        if "" in names or any(n.isdigit() for n in names):
+            raise ValueError(
+                f"idempotency_key {template!r} of task {self.name} must name its fields, "
+                "e.g. 'order:{order_id}'"
+            )
+        missing = sorted(names - set(payload))
+        if missing:
+            raise ValueError(
+                f"idempotency_key {template!r} of task {self.name} names "
+                f"{', '.join(missing)}, which the task has no argument for "
+                f"(arguments: {', '.join(payload) or 'none'})"
+            )
+        return template.format(**payload)
+
+    def _bound_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied: f(1) == f(x=1)."""
+        try:
+            signature = inspect.signature(self.run)
+        except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+            return {"args": list(args), "kwargs": dict(kwargs)}
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from exc
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    # -- contention -------------------------------------------------------------------------
+
+    def _on_locked(
+        self,
+        cfg: IdempotencySettings,
+        key: str,
+        exc: LockAcquisitionError,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Apply ``idempotency_on_locked``; returns only to try again (eager mode)."""
+        policy = cfg.idempotency_on_locked
+        log.info(
+            "key held by another delivery for %s[%s] key=%s after %d attempt(s): %s",
+            self.name,
+            self.request.id,
+            _hash(key),
+            exc.attempts,
+            policy,
+        )
+        if policy == "raise":
+            raise exc
+        if policy == "ignore":
+            raise Ignore(f"idempotency key held by another delivery: {_hash(key)}")
+        self._requeue(cfg, exc, args, kwargs)
+
+    def _requeue(
+        self,
+        cfg: IdempotencySettings,
+        exc: Exception,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Re-publish this delivery with a growing countdown, without counting a retry.
+
+        ``Task.retry`` would count against ``max_retries``: a duplicate of a body that runs
+        for minutes would end in ``MaxRetriesExceededError`` instead of the stored result.
+        In eager mode (``apply()``) there is no queue: wait here and let the caller loop.
+        """
+        request = self.request
+        headers = dict(getattr(request, "headers", None) or {})
+        requeues = int(headers.get(REQUEUE_HEADER) or 0)
+        base = max(cfg.idempotency_retry_base_delay, 0.05)
+        cap = min(MAX_REQUEUE_DELAY, cfg.idempotency_lock_ttl)
+        countdown = min(cap, base * 2 ** min(requeues, 16)) * (0.5 + random.random() / 2)  # noqa: S311
+        if request.is_eager:
+            time.sleep(countdown)
+            headers[REQUEUE_HEADER] = requeues + 1
+            request.headers = headers
+            return
+        headers[REQUEUE_HEADER] = requeues + 1
+        sig = self.signature_from_request(
+            request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+        )
+        sig.apply_async()
+        raise Retry(exc=exc, when=countdown, sig=sig)
+
+    # -- backends ---------------------------------------------------------------------------
+
+    def _guard(self, cfg: IdempotencySettings) -> DistributedIdempotencyGuard:
+        ident = (os.getpid(), id(self.app), self.name)
+        guard = _guards.get(ident)
+        if guard is not None:
+            return guard
+        lock_provider, store = self._backends(cfg)
+        guard = DistributedIdempotencyGuard(
+            store=store,
+            lock_provider=lock_provider,
+            ttl=cfg.idempotency_ttl,
+            lock_ttl=cfg.idempotency_lock_ttl,
+            retry_count=cfg.idempotency_retry_count,
+            retry_base_delay=cfg.idempotency_retry_base_delay,
+            retry_max_delay=MAX_REQUEUE_DELAY,
+            key_prefix=cfg.idempotency_key_prefix,
+            on_event=self._on_guard_event,
+        )
+        with _backends_lock:
+            return _guards.setdefault(ident, guard)
+
+    def _backends(self, cfg: IdempotencySettings) -> tuple[LockProvider, IdempotencyStore]:
+        conf = self.app.conf
+        url = cfg.backend_url
+        serializer = conf.get("result_serializer") or "json"
+        accept = conf.get("result_accept_content") or conf.get("accept_content") or ["json"]
+        ident = (os.getpid(), url, cfg.idempotency_key_prefix, serializer, tuple(accept))
+        with _backends_lock:
+            found = _backends.get(ident)
+            if found is not None:
+                return found
+            if url.startswith("memory://"):
+                pair: tuple[LockProvider, IdempotencyStore] = (
+                    MemoryLockProvider(),
+                    MemoryIdempotencyStore(),
+                )
+            else:
+                from celery_idempotent._redis import make_client  # noqa: PLC0415
+                from celery_idempotent.locks.redis import RedisLockProvider  # noqa: PLC0415
+                from celery_idempotent.stores.redis import RedisIdempotencyStore  # noqa: PLC0415
+
+                client = make_client(None, url, "idempotency_url")
+                pair = (
+                    RedisLockProvider(client, key_prefix=cfg.idempotency_key_prefix),
+                    RedisIdempotencyStore(client, serializer=serializer, accept=accept),
+                )
+            _backends[ident] = pair
+            return pair
+
+    def _on_guard_event(self, event: GuardEvent) -> None:
+        signal = {
+            "replay": signals.idempotency_replayed,
+            "contention": signals.idempotency_contended,
+            "committed": signals.idempotency_committed,
+            "lease_lost": signals.idempotency_lease_lost,
+        }[event.kind]
+        extra = {"attempt": event.attempt} if event.kind == "contention" else {}
+        signal.send(
+            sender=self,
+            task_id=self.request.id,
+            key=event.key,
+            elapsed=event.elapsed,
+            fencing_token=event.fencing_token,
+            **extra,
+        )
