@@ -299,23 +299,38 @@ def escape_glob(text: str) -> str:
     return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
-def delete_keys_with_prefix(client: redis.Redis, prefix: str, *, count: int = 500) -> int:
+def delete_keys_with_prefix(
+    client: redis.Redis, prefix: str, *, count: int = 500, cluster_node: bool = False
+) -> int:
     """Delete every key starting with ``prefix`` (SCAN, never KEYS or FLUSHDB); the number deleted.
 
-    Keys are deleted one command per key batch on a single node; for a cluster, call it per node.
+    ``client`` talks to one server. For a node of a Redis Cluster pass ``cluster_node=True``:
+    keys are then unlinked one per command (pipelined), since keys of different slots cannot
+    share a command there.
     """
     if not prefix:
         raise ValueError("refusing to delete with an empty prefix")
     pattern = escape_glob(prefix) + "*"
     deleted = 0
     batch: list[bytes | str] = []
+
+    def flush() -> int:
+        if cluster_node:
+            pipe = client.pipeline(transaction=False)
+            for key in batch:
+                pipe.unlink(key)
+            removed = sum(int(n) for n in pipe.execute())
+        else:
+            removed = int(client.unlink(*batch))
+        batch.clear()
+        return removed
+
     for key in client.scan_iter(match=pattern, count=count):
         batch.append(key)
         if len(batch) >= count:
-            deleted += int(client.unlink(*batch))
-            batch.clear()
+            deleted += flush()
     if batch:
-        deleted += int(client.unlink(*batch))
+        deleted += flush()
     return deleted
 
 
@@ -764,7 +779,7 @@ class RedisCluster:
         for host, port in self.startup_nodes:
             client = redis_module.Redis(host=host, port=port)
             try:
-                deleted += delete_keys_with_prefix(client, prefix)
+                deleted += delete_keys_with_prefix(client, prefix, cluster_node=True)
             finally:
                 client.close()
         return deleted
