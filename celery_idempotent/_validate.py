@@ -20,9 +20,13 @@ def _seconds(name: str, value: Any) -> float:
             f"{name} must be a number of seconds or a datetime.timedelta, "
             f"not {type(value).__name__} ({value!r})"
         )
-    if math.isnan(value) or math.isinf(value):
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float is a bad argument, not a crash
+        seconds = math.inf
+    if math.isnan(seconds) or math.isinf(seconds):
         raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-    return float(value)
+    return seconds
 
 
 def check_duration(name: str, value: Any) -> float:

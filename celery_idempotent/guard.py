@@ -157,9 +157,13 @@ class DistributedIdempotencyGuard:
             if not callable(fn):
                 raise TypeError(f"{name} must be callable, not {type(fn).__name__} ({fn!r})")
         if on_event is not None and not callable(on_event):
-            raise TypeError(f"on_event must be callable, not {type(on_event).__name__}")
+            raise TypeError(
+                f"on_event must be callable, not {type(on_event).__name__} ({on_event!r})"
+            )
         if not isinstance(key_prefix, str):
-            raise TypeError(f"key_prefix must be a str, not {type(key_prefix).__name__}")
+            raise TypeError(
+                f"key_prefix must be a str, not {type(key_prefix).__name__} ({key_prefix!r})"
+            )
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError(
                 f"key_prefix must not contain braces (Redis hash tags), got {key_prefix!r}"

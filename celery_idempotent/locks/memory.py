@@ -25,6 +25,8 @@ class MemoryLockProvider:
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, not {type(clock).__name__} ({clock!r})")
         self._clock = clock
         self._lock = threading.Lock()
         # resource -> (token, expires_at)

@@ -22,6 +22,8 @@ class MemoryIdempotencyStore:
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, not {type(clock).__name__} ({clock!r})")
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, tuple[IdempotencyRecord, float]] = {}
