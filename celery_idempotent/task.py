@@ -54,8 +54,10 @@ _backends: dict[tuple[Any, ...], tuple[LockProvider, IdempotencyStore]] = {}
 # (pid, id(app), task name) -> guard
 _guards: dict[tuple[Any, ...], DistributedIdempotencyGuard] = {}
 
-_current_guard: contextvars.ContextVar[DistributedIdempotencyGuard | None] = contextvars.ContextVar(
-    "celery_idempotent_guard", default=None
+# (guard, task name, task id) of the guarded body running in this context: retry() releases
+# the lease only when it is called by that very delivery, not by a task called directly inside.
+_current_guard: contextvars.ContextVar[tuple[DistributedIdempotencyGuard, str, Any] | None] = (
+    contextvars.ContextVar("celery_idempotent_guard", default=None)
 )
 
 
@@ -116,7 +118,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             started.append(True)
             return super(IdempotentTask, self).__call__(*args, **kwargs)
 
-        token = _current_guard.set(guard)
+        token = _current_guard.set((guard, self.name, request.id))
         try:
             while True:
                 try:
@@ -155,11 +157,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``Task.retry`` publishes the retry message before it raises ``Retry``; with a
         concurrent pool the retry could otherwise arrive while the lock is still held.
         """
-        guard = _current_guard.get()
+        running = _current_guard.get()
         lease = current_lease()
-        if guard is not None and lease is not None:
+        if (
+            running is not None
+            and lease is not None
+            and running[1:] == (self.name, self.request.id)
+            and not self.request.called_directly
+        ):
             try:
-                guard.lock_provider.release(lease)
+                running[0].lock_provider.release(lease)
             except Exception as exc:  # the lease expires by itself; retrying matters more
                 log.warning("could not release the lock before retry of %s: %r", self.name, exc)
         return super().retry(*args, **kwargs)
