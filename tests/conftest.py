@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -84,23 +84,31 @@ def _skip_reason(longrepr: Any) -> str:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """In strict CI mode (``CELERY_IDEMPOTENT_STRICT=1``) a skipped test is a failed test."""
-    report: pytest.TestReport = yield  # type: ignore[misc]
+    report = yield
     if _strict() and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"skipped in strict CI mode: {_skip_reason(report.longrepr)}"
-    return report  # type: ignore[return-value]
+    return report
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
-    """Strict mode also fails modules skipped at collection (``importorskip``, ``pytestmark``)."""
-    report: pytest.CollectReport = yield  # type: ignore[misc]
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """Strict mode also fails modules skipped at collection (``importorskip``, ``pytestmark``).
+
+    pytest then stops after collection ("Interrupted: 1 error during collection"), which is loud
+    on purpose: the skip condition is named in the error.
+    """
+    report = yield
     if _strict() and report.skipped:
         report.outcome = "failed"
         report.longrepr = f"skipped in strict CI mode: {_skip_reason(report.longrepr)}"
-    return report  # type: ignore[return-value]
+    return report
 
 
 # --------------------------------------------------------------------------- Redis

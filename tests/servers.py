@@ -216,6 +216,7 @@ def free_port(*, cluster_bus: bool = False) -> int:
 
 _LIVE: set[Any] = set()
 _LIVE_LOCK = threading.Lock()
+_OWNER_PID = os.getpid()
 
 
 def _register(obj: Any) -> None:
@@ -230,7 +231,13 @@ def _unregister(obj: Any) -> None:
 
 @atexit.register
 def _close_all() -> None:
-    """Safety net: close every proxy, cluster and server still open at interpreter exit."""
+    """Safety net: close every proxy, cluster and server still open at interpreter exit.
+
+    Only in the process that imported this module: a forked child (a worker pool) that runs
+    atexit handlers must not stop the parent's servers.
+    """
+    if os.getpid() != _OWNER_PID:
+        return
     with _LIVE_LOCK:
         live = list(_LIVE)
     for obj in live:
@@ -247,27 +254,21 @@ def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fo
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def _kill_pid(pid: int, proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    """SIGTERM ``pid``, wait up to ``timeout``, then SIGKILL it; reap it if it is our child."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    if proc is not None:
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            proc.wait(timeout)
+def _kill(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM the child by pid, wait up to ``timeout``, then SIGKILL it, and reap it.
+
+    Only a child that has not been reaped yet is signalled, so a recycled pid is never hit.
+    """
+    if proc.poll() is not None:
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.02)
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
 
 
 def pid_alive(pid: int) -> bool:
@@ -700,10 +701,15 @@ class RedisServer:
             with contextlib.suppress(Exception):
                 client.close()
         self._clients.clear()
-        if self.pid is not None:
-            _kill_pid(self.pid, self._proc, STOP_TIMEOUT)
+        if self._proc is not None:
+            _kill(self._proc, STOP_TIMEOUT)
         self._release_process()
         self._proc = None
+
+    def restart(self) -> RedisServer:
+        """``stop()`` then ``start()``: same port and dir (data kept with ``appendonly=True``)."""
+        self.stop()
+        return self.start()
 
     def close(self) -> None:
         """``stop()``, then remove the temp dir; idempotent."""
@@ -1135,8 +1141,9 @@ class TcpProxy:
                             events |= selectors.EVENT_WRITE
                     self._want(sock, events)
             for key, mask in self._selector.select(timeout=0.05):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
+                sock = ready
                 if sock is self._wake_r:
                     with contextlib.suppress(OSError):
                         sock.recv(4096)
@@ -1144,9 +1151,10 @@ class TcpProxy:
                 if sock is self._listener:
                     self._accept()
                     continue
-                pair = owner.get(sock)
-                if pair is None or pair not in self._pairs:
+                found = owner.get(sock)
+                if found is None or found not in self._pairs:
                     continue
+                pair = found
                 try:
                     if mask & selectors.EVENT_WRITE and pair.pending[sock]:
                         sent = sock.send(pair.pending[sock])

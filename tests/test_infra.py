@@ -115,6 +115,10 @@ def test_aof_restart_keeps_data(redis_server_factory: ServerFactory) -> None:
     assert server.port == port
     assert server.pid != first_pid
     assert server.client().get("survivor") == b"yes"
+    second_pid = server.pid
+    server.restart()
+    assert server.pid != second_pid
+    assert server.client().get("survivor") == b"yes"
 
 
 def test_restart_without_aof_loses_data(redis_server_factory: ServerFactory) -> None:
