@@ -395,7 +395,9 @@ def test_rule_07_expired_holder_cannot_release_or_overwrite_the_new_holder(
 
 def test_rule_08_lease_is_renewed_while_a_long_body_runs(make_guard):
     provider = MemoryLockProvider()
-    guard = make_guard(lock_provider=provider, lock_ttl=0.3)
+    # Renewed every 0.1 s, so a renewal may run up to 0.4 s late (a loaded machine) before
+    # the lease could lapse; the body lasts three lease lengths.
+    guard = make_guard(lock_provider=provider, lock_ttl=0.5, renew_interval=0.1)
     resource = guard.lock_resource("k")
     started, finished = threading.Event(), threading.Event()
     stolen, polls = [], []
@@ -403,7 +405,7 @@ def test_rule_08_lease_is_renewed_while_a_long_body_runs(make_guard):
     def contender():
         started.wait(5)
         while not finished.is_set():
-            lease = provider.acquire(resource, 0.3)
+            lease = provider.acquire(resource, 0.5)
             if lease is not None:
                 stolen.append(lease)
             polls.append(provider.is_locked(resource))
@@ -411,7 +413,7 @@ def test_rule_08_lease_is_renewed_while_a_long_body_runs(make_guard):
 
     def body():
         started.set()
-        time.sleep(1.0)  # more than three lock_ttls
+        time.sleep(1.5)
         finished.set()
         return "done"
 
@@ -472,6 +474,22 @@ def test_rule_08_lease_lost_found_at_commit_raises_lock_lost(make_guard, store):
     assert provider.extend_calls >= 1
     assert store.get(guard.record_key("k")) is None
     assert len(provider) == 0  # released in finally: it still held the lock
+
+
+def test_rule_08_renewal_finding_the_lease_gone_stops_and_skips_the_commit(make_guard, store):
+    provider = RefusingExtendProvider()
+    guard = make_guard(lock_provider=provider, lock_ttl=0.3)  # renewal every 0.1 s
+
+    def body():
+        time.sleep(0.6)
+        return "r"
+
+    with pytest.raises(LockLostError) as info:
+        guard.execute("k", body)
+    assert info.value.result == "r"
+    # One renewal learned the lease was gone; no more renewals, and no commit attempt.
+    assert provider.extend_calls == 1
+    assert store.get(guard.record_key("k")) is None
 
 
 class UnreachableExtendProvider(MemoryLockProvider):
