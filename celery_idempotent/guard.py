@@ -250,8 +250,12 @@ class DistributedIdempotencyGuard:
             raise ValueError("key must not be empty")
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__} ({fn!r})")
-        if abort is not None and not callable(getattr(abort, "is_set", None)):
-            raise TypeError(f"abort must be a threading.Event, not {type(abort).__name__}")
+        if abort is not None and not (
+            callable(getattr(abort, "is_set", None)) and callable(getattr(abort, "wait", None))
+        ):
+            raise TypeError(
+                f"abort must be a threading.Event, not {type(abort).__name__} ({abort!r})"
+            )
         fingerprint = None if input is ABSENT else self.fingerprint_fn(input)
         started = self.clock()
         resource = lock_resource(self.key_prefix, key)
@@ -345,16 +349,29 @@ class DistributedIdempotencyGuard:
         self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord, started: float
     ) -> bool:
         """Store the record while still the holder. True when the commit also released."""
-        if self._atomic is not None:
-            ok = self._backend(key, "commit", self._atomic.commit, lease, rkey, record, self.ttl)
-            released = ok
-        else:
-            # Two backends cannot decide atomically: prove the lease (and give it a full
-            # lock_ttl for the write) right before writing.
-            ok = self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
-            if ok:
-                self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
-            released = False
+        try:
+            if self._atomic is not None:
+                ok = self._backend(
+                    key, "commit", self._atomic.commit, lease, rkey, record, self.ttl
+                )
+                released = ok
+            else:
+                # Two backends cannot decide atomically: prove the lease (and give it a full
+                # lock_ttl for the write) right before writing.
+                ok = self._backend(
+                    key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl
+                )
+                if ok:
+                    self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
+                released = False
+        except IdempotencyBackendError as exc:
+            # The body ran and its side effects happened: the caller needs its result even
+            # though the backend failed. The commit cannot be confirmed, so the lease is
+            # treated as lost (a retried commit script would have reported an earlier success).
+            self._emit("lease_lost", key, 0, started, lease.fencing_token)
+            raise LockLostError(
+                key, record.result, f"could not confirm the commit: {exc}; the result is not stored"
+            ) from exc
         if not ok:
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
             raise LockLostError(key, record.result)

@@ -97,3 +97,7 @@ class MemoryLockProvider:
             expires_at, resource, token = heapq.heappop(expiry)
             if self._held.get(resource) == (token, expires_at):
                 del self._held[resource]
+        # Released locks and extensions leave stale heap entries; rebuild when they dominate.
+        if len(expiry) > 2 * len(self._held) + 1024:
+            self._expiry = [(exp, res, tok) for res, (tok, exp) in self._held.items()]
+            heapq.heapify(self._expiry)

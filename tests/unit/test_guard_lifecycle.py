@@ -143,10 +143,19 @@ def test_released_when_the_store_fails(make_guard, ledger, failing):
 
     calls = []
     guard = make_guard(lock_provider=ledger, store=BrokenStore())
-    with pytest.raises(IdempotencyBackendError) as info:
-        guard.execute("k", lambda: calls.append(1))
-    assert isinstance(info.value.__cause__, OSError)
-    assert calls == ([] if failing == "get" else [1])
+    if failing == "get":
+        with pytest.raises(IdempotencyBackendError) as info:
+            guard.execute("k", lambda: calls.append(1))
+        assert isinstance(info.value.__cause__, OSError)
+        assert calls == []
+    else:
+        # The body ran: its result must reach the caller although the commit failed.
+        with pytest.raises(LockLostError) as lost:
+            guard.execute("k", lambda: calls.append(1) or "charged")
+        assert lost.value.result == "charged"
+        assert isinstance(lost.value.__cause__, IdempotencyBackendError)
+        assert isinstance(lost.value.__cause__.__cause__, OSError)
+        assert calls == [1]
     assert_all_released(ledger)
 
 
