@@ -20,6 +20,10 @@ __all__ = ["LeaseKeeper", "Renewal", "keeper"]
 
 log = logging.getLogger("celery_idempotent")
 
+#: Stopped renewals wait in the heap until the keeper wakes; past this many it is woken to
+#: drop them, so that a high call rate with a long interval does not pile them up.
+_DRAIN_AT = 4096
+
 
 class Renewal:
     """One lease being kept alive. ``lost`` turns true when the lease is known (or must be
@@ -48,6 +52,9 @@ class LeaseKeeper:
         self._heap: list[tuple[float, int, Renewal]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        # When the keeper, waiting, will wake up by itself; 0 while it is not waiting (it
+        # looks at the heap again before it waits).
+        self._wake_at = 0.0
 
     def keep(self, provider: LockProvider, lease: Lease, ttl: float, interval: float) -> Renewal:
         """Start renewing ``lease`` every ``interval`` seconds, each time for ``ttl`` seconds."""
@@ -60,7 +67,11 @@ class LeaseKeeper:
                     target=self._run, name="celery-idempotent-lease-keeper", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][2] is renewal:
+            elif due < self._wake_at or (
+                len(self._heap) > _DRAIN_AT and self._heap[0][2].cancelled
+            ):
+                # Only when the keeper would sleep past this renewal, or to drop a pile of
+                # stopped ones: waking it for every guarded call costs a thread switch each.
                 self._cond.notify()
         return renewal
 
@@ -70,19 +81,33 @@ class LeaseKeeper:
         renewal.cancelled = True
 
     def _run(self) -> None:
+        heap = self._heap
         while True:
             with self._cond:
                 while True:
-                    while self._heap and self._heap[0][2].cancelled:
-                        heapq.heappop(self._heap)
-                    if self._heap:
-                        wait = self._heap[0][0] - time.monotonic()
-                        if wait <= 0:
-                            renewal = heapq.heappop(self._heap)[2]
+                    # Drop the stopped renewals on top. When that empties the heap, sleep until
+                    # the last one dropped would have been due rather than until woken: the
+                    # renewals started meanwhile (same interval, so due later) then need no
+                    # notify, and a stream of short guarded calls wakes the keeper about once
+                    # per interval instead of once per call.
+                    dropped_due = 0.0
+                    while heap and heap[0][2].cancelled:
+                        dropped_due = heapq.heappop(heap)[0]
+                    now = time.monotonic()
+                    if heap:
+                        wake_at = heap[0][0]
+                        if wake_at <= now:
+                            renewal = heapq.heappop(heap)[2]
                             break
-                        self._cond.wait(wait)
+                    elif dropped_due > now:
+                        wake_at = dropped_due
                     else:
-                        self._cond.wait(30.0)
+                        wake_at = now + 30.0
+                    self._wake_at = wake_at
+                    try:
+                        self._cond.wait(wake_at - now)
+                    finally:
+                        self._wake_at = 0.0
             self._renew(renewal)
 
     def _renew(self, renewal: Renewal) -> None:
