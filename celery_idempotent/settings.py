@@ -80,6 +80,11 @@ def clear_cache(app: Any = None) -> None:
 
 def resolve(app: Any, task: Any) -> IdempotencySettings:
     """The settings for ``task``: its own options over ``app.conf`` over :data:`DEFAULTS`."""
+    # ``@app.task`` returns a lazy proxy until the app is finalized: its type has none of the
+    # task's options, yet its ``name`` is the task's, under which the result is cached.
+    unwrap = getattr(task, "_get_current_object", None)
+    if callable(unwrap):
+        task = unwrap()
     name = getattr(task, "name", None) or type(task).__name__
     with _cache_lock:
         per_app = _cache.get(app)
