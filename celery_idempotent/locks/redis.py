@@ -96,7 +96,8 @@ class RedisLockProvider:
         with _redis.translate_errors(self.key_prefix, "lock clear"):
             batch: list[Any] = []
             for name in self.client.scan_iter(match=pattern, count=500):
-                if name.endswith(b":fence"):
+                # bytes, or str from a client made with decode_responses=True
+                if name.endswith(b":fence" if isinstance(name, bytes) else ":fence"):
                     continue
                 batch.append(name)
                 if len(batch) >= 500:
