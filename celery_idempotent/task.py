@@ -141,6 +141,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     break
         finally:
             _current_guard.reset(token)
+        if (
+            not outcome.replayed
+            and request.is_eager
+            and not cfg.backend_url.startswith("memory://")
+        ):
+            # A worker hands the body's value to the caller, links and chains through the
+            # result serializer; eagerly Celery hands over the object itself. Give the first
+            # eager caller what its replays will get (JSON: a tuple arrives as a list).
+            return self._as_delivered(outcome.value)
         if outcome.replayed:
             log.info(
                 "replayed stored result for %s[%s] key=%s (fencing token %s)",
@@ -320,11 +329,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
         with _backends_lock:
             return _guards.setdefault(ident, guard)
 
-    def _backends(self, cfg: IdempotencySettings) -> tuple[LockProvider, IdempotencyStore]:
+    def _serialization(self) -> tuple[str, list[str]]:
+        """The app's result serializer and the accept list results are loaded with."""
         conf = self.app.conf
-        url = cfg.backend_url
         serializer = conf.get("result_serializer") or "json"
         accept = conf.get("result_accept_content") or conf.get("accept_content") or ["json"]
+        return serializer, list(accept)
+
+    def _as_delivered(self, value: Any) -> Any:
+        """``value`` after a round trip through the result serializer, as a replay gets it."""
+        import kombu.serialization  # noqa: PLC0415
+
+        kombu_ser: Any = kombu.serialization  # kombu ships no type information
+        serializer, accept = self._serialization()
+        content_type, encoding, data = kombu_ser.dumps(value, serializer=serializer)
+        accepted = kombu_ser.prepare_accept_content(accept)
+        return kombu_ser.loads(data, content_type, encoding, accept=accepted)
+
+    def _backends(self, cfg: IdempotencySettings) -> tuple[LockProvider, IdempotencyStore]:
+        url = cfg.backend_url
+        serializer, accept = self._serialization()
         ident = (os.getpid(), url, cfg.idempotency_key_prefix, serializer, tuple(accept))
         with _backends_lock:
             found = _backends.get(ident)
