@@ -16,11 +16,9 @@ tag, so all three live in one slot)::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import socket
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from celery_idempotent.exceptions import (
@@ -221,24 +219,53 @@ def ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-@contextlib.contextmanager
-def translate_errors(key: str, op: str) -> Iterator[None]:
-    """Turn redis-py exceptions into the library's, chaining the original."""
-    redis_mod = import_redis()
-    try:
-        yield
-    except IdempotencyError:
-        raise
-    except (
-        redis_mod.exceptions.ConnectionError,
-        redis_mod.exceptions.TimeoutError,
-        redis_mod.exceptions.AuthenticationError,
-        ConnectionError,
-        TimeoutError,
-    ) as exc:
-        raise IdempotencyConnectionError(key, f"Redis {op} failed: {exc}") from exc
-    except redis_mod.exceptions.RedisError as exc:
-        raise IdempotencyBackendError(key, f"Redis {op} failed: {exc}") from exc
+_ERROR_CLASSES: tuple[tuple[type[BaseException], ...], type[BaseException]] | None = None
+
+
+def _error_classes() -> tuple[tuple[type[BaseException], ...], type[BaseException]]:
+    """(connection-level errors, any other redis-py error), looked up once."""
+    global _ERROR_CLASSES  # noqa: PLW0603 - a cache filled on first use
+    if _ERROR_CLASSES is None:
+        exceptions = import_redis().exceptions
+        _ERROR_CLASSES = (
+            (
+                exceptions.ConnectionError,
+                exceptions.TimeoutError,
+                exceptions.AuthenticationError,
+                ConnectionError,
+                TimeoutError,
+            ),
+            exceptions.RedisError,
+        )
+    return _ERROR_CLASSES
+
+
+class translate_errors:
+    """``with translate_errors(key, op):`` turns redis-py exceptions into the library's,
+    chaining the original.
+
+    A class, not a ``@contextmanager`` generator: it wraps every Redis call, two per guarded
+    call, and a generator-based context manager costs several times more to enter and exit.
+    """
+
+    __slots__ = ("key", "op")
+
+    def __init__(self, key: str, op: str) -> None:
+        self.key = key
+        self.op = op
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        # Returns None: an exception is never swallowed, only replaced.
+        if exc is None or isinstance(exc, IdempotencyError):
+            return
+        connection_errors, redis_error = _error_classes()
+        if isinstance(exc, connection_errors):
+            raise IdempotencyConnectionError(self.key, f"Redis {self.op} failed: {exc}") from exc
+        if isinstance(exc, redis_error):
+            raise IdempotencyBackendError(self.key, f"Redis {self.op} failed: {exc}") from exc
 
 
 def glob_escape(text: str) -> str:

@@ -20,11 +20,17 @@ from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 __all__ = ["RedisAtomicBackend", "RedisIdempotencyStore"]
 
 
+_KOMBU: Any = None
+
+
 def _kombu() -> Any:
     """kombu's serialization module (typed loosely: kombu ships no type information)."""
-    import kombu.serialization  # noqa: PLC0415 - kombu is imported only with a Redis store
+    global _KOMBU  # noqa: PLW0603 - imported once, on first use (encode/decode are hot paths)
+    if _KOMBU is None:
+        import kombu.serialization  # noqa: PLC0415 - kombu is imported only with a Redis store
 
-    return kombu.serialization
+        _KOMBU = kombu.serialization
+    return _KOMBU
 
 
 def _text(value: Any) -> str:
