@@ -1,0 +1,161 @@
+"""Helpers of the Redis backend suite: the backends under contract and a round-trip counter.
+
+Imported by ``conftest.py`` and the test modules of this directory as ``redis_support``
+(pytest's ``prepend`` import mode puts ``tests/redis`` on ``sys.path``). Named so that it
+cannot shadow anything: neither ``conftest`` nor ``redis``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery_idempotent import DistributedIdempotencyGuard, IdempotencyStore, LockProvider
+
+if TYPE_CHECKING:
+    import redis
+
+T = TypeVar("T")
+
+
+def recording(value: T, log: list[Any], entry: Callable[[], Any] | None = None) -> Callable[[], T]:
+    """A body that appends ``entry()`` (``True`` by default) to ``log`` and returns ``value``."""
+
+    def body() -> T:
+        log.append(True if entry is None else entry())
+        return value
+
+    return body
+
+
+class SkewClock:
+    """``time.monotonic()`` plus an offset that only grows: real time that can jump ahead."""
+
+    def __init__(self) -> None:
+        self._offset = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return time.monotonic() + self._offset
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._offset += seconds
+
+
+@dataclass
+class Backend:
+    """A lock provider and a store under test, and how to make a lease run out early."""
+
+    name: str
+    provider: LockProvider
+    store: IdempotencyStore
+    prefix: str
+    atomic: bool
+    #: Make the lease on ``resource`` run out now (as if its holder had stalled past it).
+    expire_lease: Callable[[str], None]
+
+    def guard(self, **options: Any) -> DistributedIdempotencyGuard:
+        """A guard over this backend, under the test's key prefix; keywords override."""
+        options.setdefault("store", self.store)
+        options.setdefault("lock_provider", self.provider)
+        options.setdefault("key_prefix", self.prefix)
+        options.setdefault("retry_base_delay", 0.001)
+        guard = DistributedIdempotencyGuard(**options)
+        assert (guard._atomic is not None) is self.atomic, f"{self.name}: wrong guard path"
+        return guard
+
+
+def redis_classes() -> tuple[type[Any], type[Any]]:
+    """``(RedisLockProvider, RedisIdempotencyStore)``, imported only when a test needs them."""
+    from celery_idempotent import RedisIdempotencyStore, RedisLockProvider
+
+    return RedisLockProvider, RedisIdempotencyStore
+
+
+def split_store(client: Any, **options: Any) -> Any:
+    """A :class:`RedisIdempotencyStore` that never pairs with a lock provider (no atomic path)."""
+    _, store_cls = redis_classes()
+
+    class SplitRedisIdempotencyStore(store_cls):  # type: ignore[misc, valid-type]
+        def atomic_with(self, lock_provider: Any) -> None:
+            return None
+
+    return SplitRedisIdempotencyStore(client, **options)
+
+
+# --------------------------------------------------------------------------- round trips
+
+#: Commands of connection set-up: not round trips of the library's operations.
+HANDSHAKE = frozenset({"HELLO", "AUTH", "SELECT", "CLIENT", "READONLY"})
+
+
+def command_names(packed: Any) -> list[str]:
+    """The command names in one packed RESP send (several for a pipeline)."""
+    if isinstance(packed, (bytes, bytearray, memoryview, str)):
+        packed = [packed]
+    data = b"".join(chunk.encode() if isinstance(chunk, str) else bytes(chunk) for chunk in packed)
+    names: list[str] = []
+    pos = 0
+    while pos < len(data):
+        assert data[pos : pos + 1] == b"*", f"not a RESP array at {pos}: {data[pos : pos + 20]!r}"
+        end = data.index(b"\r\n", pos)
+        count = int(data[pos + 1 : end])
+        pos = end + 2
+        for index in range(count):
+            end = data.index(b"\r\n", pos)
+            length = int(data[pos + 1 : end])
+            arg = data[end + 2 : end + 2 + length]
+            pos = end + 2 + length + 2
+            if index == 0:
+                names.append(arg.decode().upper())
+    return names
+
+
+class RoundTrips:
+    """Every write to the server that carries a command, as the client sends it.
+
+    One send is one round trip: a pipeline packs all its commands into a single send. Sends made
+    only of connection set-up commands (:data:`HANDSHAKE`) are not recorded.
+    """
+
+    def __init__(self) -> None:
+        self.sends: list[list[str]] = []
+        self._lock = threading.Lock()
+
+    def record(self, names: list[str]) -> None:
+        if names and not set(names) <= HANDSHAKE:
+            with self._lock:
+                self.sends.append(names)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sends.clear()
+
+    @property
+    def count(self) -> int:
+        return len(self.sends)
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[int, list[list[str]]]:
+        """Round trips made by ``fn()`` (and the commands of each)."""
+        self.reset()
+        fn()
+        sends = list(self.sends)
+        return len(sends), sends
+
+
+def counting_client(url: str, trips: RoundTrips, **kwargs: Any) -> redis.Redis:
+    """A ``redis.Redis`` for ``url`` whose connections report every send to ``trips``."""
+    import redis
+
+    class CountingConnection(redis.Connection):
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            trips.record(command_names(command))
+            super().send_packed_command(command, check_health)
+
+    pool = redis.ConnectionPool.from_url(url, connection_class=CountingConnection, **kwargs)
+    return redis.Redis(connection_pool=pool)
