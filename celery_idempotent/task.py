@@ -128,7 +128,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 except IdempotencyConnectionError as exc:
                     # Redis unreachable before the body ran: nothing happened, so a re-queue
                     # is safe. After the body ran the error stands (the result is not stored).
-                    if started or cfg.idempotency_on_locked != "retry":
+                    # In eager mode there is no queue to come back through: waiting in place
+                    # for a Redis that may never answer (a wrong URL) would hang the caller.
+                    if started or cfg.idempotency_on_locked != "retry" or request.is_eager:
                         raise
                     log.warning(
                         "idempotency backend unreachable for %s[%s]; re-queueing: %s",
