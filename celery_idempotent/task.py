@@ -47,6 +47,21 @@ REQUEUE_HEADER = "idempotency_requeues"
 #: The longest countdown between re-queues of a duplicate that finds its key held.
 MAX_REQUEUE_DELAY = 5.0
 
+#: RabbitMQ's dead-lettering headers. Celery drops them when it re-publishes a retry: a message
+#: re-published with them looks like a dead-letter cycle to RabbitMQ, which then drops it.
+#: (``celery.app.task.X_DEATH_HEADERS``, absent from older Celery versions.)
+_X_DEATH_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
+)
+
 _backends_lock = threading.Lock()
 # (pid, url, prefix, serializer, accept) -> (lock provider, store); per process because a
 # client made before fork must not be shared with the children.
@@ -292,7 +307,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         In eager mode (``apply()``) there is no queue: wait here and let the caller loop.
         """
         request = self.request
-        headers = dict(getattr(request, "headers", None) or {})
+        headers = {
+            name: value
+            for name, value in (getattr(request, "headers", None) or {}).items()
+            if name not in _X_DEATH_HEADERS
+        }
         requeues = int(headers.get(REQUEUE_HEADER) or 0)
         base = max(cfg.idempotency_retry_base_delay, 0.05)
         cap = min(MAX_REQUEUE_DELAY, cfg.idempotency_lock_ttl)
