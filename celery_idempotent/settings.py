@@ -172,7 +172,12 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
 
 
 def _broker_fallback(conf: Any) -> str:
-    broker = conf.get("broker_url") or conf.get("broker_host") or ""
+    # Celery's own ``broker_url`` property: ``CELERY_BROKER_URL`` from the environment first,
+    # then ``broker_url``/``broker_host`` (plain ``conf.get`` would miss the environment).
+    try:
+        broker = conf.broker_url or ""
+    except AttributeError:
+        broker = conf.get("broker_url") or conf.get("broker_host") or ""
     if isinstance(broker, (list, tuple)):
         broker = broker[0] if broker else ""
     first = str(broker).split(";")[0].strip()
