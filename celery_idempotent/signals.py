@@ -1,15 +1,56 @@
 """Celery signals sent by :class:`~celery_idempotent.IdempotentTask`.
 
 Each is sent with ``sender=<the task>`` and the keyword arguments ``task_id``, ``key`` (the
-namespaced idempotency key), ``elapsed`` (seconds since the guard began) and
-``fencing_token``; ``idempotency_contended`` also sends ``attempt``. A receiver's error is
-logged by Celery and never breaks the task::
+namespaced idempotency key), ``elapsed`` (seconds since the guard began, by the guard's clock)
+and ``fencing_token``; ``idempotency_contended`` also sends ``attempt`` (1 for the first lock
+attempt). A receiver's error is logged by Celery and never breaks the task.
 
-    from celery_idempotent.signals import idempotency_replayed
+==========================  ======================================  ===========================
+signal                      sent when                               ``elapsed`` covers
+==========================  ======================================  ===========================
+``idempotency_committed``   the body ran and its result was stored  lock + body + commit
+``idempotency_replayed``    a duplicate got the stored result       lock attempts + lookup
+``idempotency_contended``   a lock attempt found the key held       the attempts so far
+``idempotency_lease_lost``  the body ran but its lease was lost     lock + body (+ commit)
+==========================  ======================================  ===========================
 
-    @idempotency_replayed.connect
-    def count_replay(sender, key, elapsed, **kwargs):
-        statsd.incr(f"idempotency.replayed.{sender.name}")
+Receivers run in the worker process that ran the task, on the task's thread, before the task
+returns: keep them as cheap as a statsd UDP packet. Celery keeps receivers by weak reference:
+connect module-level functions (as below) or pass ``weak=False``, and connect them in a module
+the worker imports (the one that defines the app, say). Name metrics by task, never by key:
+keys are unbounded. Feeding a statsd-like client (``incr`` counts, ``timing`` takes ms)::
+
+    import statsd
+
+    from celery_idempotent import signals
+
+    metrics = statsd.StatsClient("localhost", 8125, prefix="celery.idempotency")
+
+
+    @signals.idempotency_committed.connect
+    def on_committed(sender, elapsed, **kwargs):
+        metrics.incr(f"committed.{sender.name}")
+        metrics.timing(f"committed.{sender.name}", elapsed * 1000)
+
+
+    @signals.idempotency_replayed.connect
+    def on_replayed(sender, elapsed, **kwargs):
+        metrics.incr(f"replayed.{sender.name}")  # duplicates that did not run the body
+        metrics.timing(f"replayed.{sender.name}", elapsed * 1000)
+
+
+    @signals.idempotency_contended.connect
+    def on_contended(sender, attempt, **kwargs):
+        metrics.incr(f"contended.{sender.name}")  # one per lock attempt that found it held
+
+
+    @signals.idempotency_lease_lost.connect
+    def on_lease_lost(sender, **kwargs):
+        metrics.incr(f"lease_lost.{sender.name}")  # worth an alert: a result was not stored
+
+A client that keeps a background thread or a connection (a Prometheus push gateway, a buffered
+DogStatsd) must be made per worker process: create it in a ``worker_process_init`` receiver
+rather than at import, which runs in the parent before the pool forks.
 """
 
 from __future__ import annotations
