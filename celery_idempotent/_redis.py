@@ -199,9 +199,25 @@ def same_server(a: Any, b: Any) -> bool:
         return False
     if pool_a is pool_b:
         return True
+    # A Sentinel pool names no host or port: its service and its Sentinel manager decide.
+    if getattr(pool_a, "service_name", None) or getattr(pool_b, "service_name", None):
+        return (
+            getattr(pool_a, "service_name", None) == getattr(pool_b, "service_name", None)
+            and getattr(pool_a, "sentinel_manager", None)
+            is getattr(pool_b, "sentinel_manager", None)
+            and pool_a.connection_kwargs.get("db") == pool_b.connection_kwargs.get("db")
+        )
     keys = ("host", "port", "db", "path", "username")
     kw_a, kw_b = pool_a.connection_kwargs, pool_b.connection_kwargs
     return type(a) is type(b) and all(kw_a.get(k) == kw_b.get(k) for k in keys)
+
+
+def decodes_responses(client: Any) -> bool:
+    """Whether the client turns replies into ``str`` (``decode_responses=True``)."""
+    get_encoder = getattr(client, "get_encoder", None)
+    if get_encoder is None:
+        return False
+    return bool(getattr(get_encoder(), "decode_responses", False))
 
 
 def default_owner_id() -> str:

@@ -134,9 +134,15 @@ def slot_key(key: str) -> str:
     readable head plus the sha256 of the whole key.
     """
     if len(key) <= MAX_READABLE_KEY and "{" not in key and "}" not in key and key:
-        return key
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from JSON "\\udcff"): Redis needs bytes
+            pass
+        else:
+            return key
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     head = key[:_HEAD].replace("{", "(").replace("}", ")")
+    head = head.encode("utf-8", "replace").decode("utf-8")
     return f"{head}…#{digest}"
 
 

@@ -77,6 +77,19 @@ class RedisIdempotencyStore:
                 f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
                 "refuse to read back; add it to accept"
             )
+        if _redis.decodes_responses(self.client):
+            binary = sorted(
+                name
+                for name, enc in registry._encoders.items()
+                if enc.content_encoding == "binary"
+                and (name == serializer or enc.content_type in self.accept)
+            )
+            if binary:
+                raise ValueError(
+                    f"RedisIdempotencyStore: the client decodes responses to str "
+                    f"(decode_responses=True), which cannot carry the binary payloads of "
+                    f"{', '.join(binary)}; pass a client with decode_responses=False"
+                )
         self._commit = self.client.register_script(_redis.COMMIT)
 
     def __repr__(self) -> str:
@@ -133,7 +146,10 @@ class RedisIdempotencyStore:
     def get(self, key: str) -> IdempotencyRecord | None:
         """The record under ``key``, or ``None`` (one round trip)."""
         with _redis.translate_errors(key, "store get"):
-            values = self.client.hmget(key, list(_redis.RECORD_FIELDS))
+            try:
+                values = self.client.hmget(key, list(_redis.RECORD_FIELDS))
+            except UnicodeDecodeError as exc:  # binary payload on a decoding client
+                raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         if all(v is None for v in values):
             return None
         return self.decode(key, values)
@@ -179,10 +195,13 @@ class RedisAtomicBackend:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
         token = _redis.new_token(self.locks.owner_id)
         with _redis.translate_errors(key, "claim"):
-            reply = self._claim(
-                keys=[resource, self.locks.fence_key(resource), key],
-                args=[token, _redis.ms(ttl), _redis.ms(self.locks.fence_ttl)],
-            )
+            try:
+                reply = self._claim(
+                    keys=[resource, self.locks.fence_key(resource), key],
+                    args=[token, _redis.ms(ttl), _redis.ms(self.locks.fence_ttl)],
+                )
+            except UnicodeDecodeError as exc:  # only a found record carries a payload
+                raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
         if status == 1:
             return Claim(Lease(resource, token, int(reply[1])), None)
