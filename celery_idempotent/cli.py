@@ -52,6 +52,7 @@ from celery.bin.base import CeleryCommand
 
 from celery_idempotent import _redis
 from celery_idempotent.exceptions import IdempotencyError, RecordDecodeError
+from celery_idempotent.keys import _HEAD as HEAD_CHARS
 from celery_idempotent.keys import MAX_READABLE_KEY, lock_resource, record_key
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.settings import IdempotencySettings, resolve
@@ -74,8 +75,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 KIND_MARKERS = (":args:", ":id:", ":key:")
 #: A shortened key (see :func:`celery_idempotent.keys.slot_key`) is ``<head>…#<sha256>``.
 SHORTENED_MARK = "…#"
-#: Characters of a key that survive shortening (``keys._HEAD``).
-HEAD_CHARS = 64
 DEFAULT_BATCH = 1000
 #: How many names a dry run or a summary lists.
 SAMPLE = 10
