@@ -66,8 +66,10 @@ _backends_lock = threading.Lock()
 # (pid, url, prefix, serializer, accept) -> (lock provider, store); per process because a
 # client made before fork must not be shared with the children.
 _backends: dict[tuple[Any, ...], tuple[LockProvider, IdempotencyStore]] = {}
-# (pid, id(app), task name) -> guard
-_guards: dict[tuple[Any, ...], DistributedIdempotencyGuard] = {}
+# (pid, id(app), task name) -> (the settings it was built from, guard). The settings object
+# is cached per app (settings.resolve), so "is" tells a stale entry: an app whose id was
+# reused after garbage collection, or settings re-read after clear_cache().
+_guards: dict[tuple[Any, ...], tuple[IdempotencySettings, DistributedIdempotencyGuard]] = {}
 
 # (guard, task name, task id) of the guarded body running in this context: retry() releases
 # the lease only when it is called by that very delivery, not by a task called directly inside.
@@ -332,9 +334,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _guard(self, cfg: IdempotencySettings) -> DistributedIdempotencyGuard:
         ident = (os.getpid(), id(self.app), self.name)
-        guard = _guards.get(ident)
-        if guard is not None:
-            return guard
+        entry = _guards.get(ident)
+        if entry is not None and entry[0] is cfg:
+            return entry[1]
         lock_provider, store = self._backends(cfg)
         guard = DistributedIdempotencyGuard(
             store=store,
@@ -348,7 +350,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             on_event=self._on_guard_event,
         )
         with _backends_lock:
-            return _guards.setdefault(ident, guard)
+            entry = _guards.get(ident)
+            if entry is None or entry[0] is not cfg:
+                entry = _guards[ident] = (cfg, guard)
+            return entry[1]
 
     def _serialization(self) -> tuple[str, list[str]]:
         """The app's result serializer and the accept list results are loaded with."""
