@@ -44,6 +44,7 @@ __all__ = [
     "WorkerError",
     "WorkerGroup",
     "children_of",
+    "group_members",
     "pid_alive",
     "start_workers",
 ]
@@ -98,6 +99,27 @@ def children_of(pid: int) -> list[int]:
             continue
         fields = stat.rsplit(b")", 1)[1].split()
         if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Living PIDs in process group ``pgid`` (a worker and its pool share one)."""
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover - not Linux
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(b")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             found.append(int(entry))
     return sorted(found)
 
@@ -228,6 +250,11 @@ class CeleryWorker:
         # pytest's own plugin autoload or strict warnings must not leak into the worker
         env.pop("PYTEST_CURRENT_TEST", None)
         return env
+
+    def ping(self, app: Any, timeout: float = 1.0) -> bool:
+        """Whether the worker answers ``app.control.ping`` (``app`` configured like it)."""
+        replies = app.control.ping(destination=[self.nodename], timeout=timeout)
+        return any(self.nodename in reply for reply in replies or [])
 
     def log(self) -> str:
         """Everything the worker has logged so far."""
@@ -373,9 +400,13 @@ class CeleryWorker:
         return f"<CeleryWorker {self.hostname} {self.pool}x{self.concurrency} pid={pid} {state}>"
 
 
-def _killpg(pgid: int) -> None:
+def _killpg(pgid: int, timeout: float = 5.0) -> None:
+    """SIGKILL process group ``pgid`` and wait until none of its members is alive."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------- several

@@ -1,0 +1,355 @@
+"""IdempotentTask without a worker: ``apply()``, ``task_always_eager``, a direct call, and the
+log lines (caplog); the store is the test Redis under the test's ``key_prefix``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery, chain, chord, group
+from celery.exceptions import Ignore, Reject
+from cidem_helpers import key_of, redis_names
+from servers import escape_glob
+
+from celery_idempotent import (
+    IdempotencyMismatchError,
+    IdempotentTask,
+    LockAcquisitionError,
+    current_lease,
+)
+from celery_idempotent.task import _hash
+
+pytestmark = pytest.mark.redis
+
+
+class Calls:
+    """Counts body runs per name in this process."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str) -> int:
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return self.counts[name]
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts.get(name, 0)
+
+
+@pytest.fixture
+def make_app(
+    redis_url: str, key_prefix: str, fresh_config: None
+) -> Iterator[Callable[..., Celery]]:
+    """A fresh in-process app on the test Redis (records under ``key_prefix``)."""
+    apps: list[Celery] = []
+
+    def factory(**conf: Any) -> Celery:
+        app = Celery(f"eager-{uuid.uuid4().hex[:8]}", set_as_current=False)
+        app.conf.update(
+            broker_url="memory://",
+            result_backend="cache+memory://",
+            idempotency_url=redis_url,
+            idempotency_key_prefix=key_prefix,
+            task_eager_propagates=False,
+            **conf,
+        )
+        apps.append(app)
+        return app
+
+    yield factory
+    for app in apps:
+        app.close()
+
+
+@pytest.fixture
+def calls() -> Calls:
+    return Calls()
+
+
+def keys_under(redis_client: Any, prefix: str) -> list[bytes]:
+    return list(redis_client.scan_iter(match=escape_glob(prefix) + "*"))
+
+
+# --------------------------------------------------------------------------- apply / eager
+
+
+def test_apply_runs_once_and_replays(make_app: Callable[..., Celery], calls: Calls) -> None:
+    app = make_app()
+
+    @app.task(base=IdempotentTask)
+    def pay(order: int, amount: int) -> dict[str, Any]:
+        return {"order": order, "run": calls("pay"), "token": uuid.uuid4().hex}
+
+    first = pay.apply((1, 10))
+    second = pay.apply((1, 10))
+    other = pay.apply((2, 10))
+
+    assert first.state == second.state == "SUCCESS"
+    assert second.get() == first.get()
+    assert other.get()["order"] == 2
+    assert calls["pay"] == 2
+
+
+def test_task_always_eager_runs_once(make_app: Callable[..., Celery], calls: Calls) -> None:
+    app = make_app(task_always_eager=True)
+
+    @app.task(base=IdempotentTask)
+    def pay(order: int, amount: int) -> dict[str, Any]:
+        return {"run": calls("pay"), "token": uuid.uuid4().hex}
+
+    values = [pay.delay(1, 10).get() for _ in range(3)]
+    values.append(pay.apply_async((1,), {"amount": 10}).get())
+
+    assert values == [values[0]] * 4
+    assert calls["pay"] == 1
+
+
+def test_direct_call_runs_plainly_and_creates_no_keys(
+    make_app: Callable[..., Celery], calls: Calls, redis_client: Any, key_prefix: str
+) -> None:
+    app = make_app()
+
+    @app.task(base=IdempotentTask)
+    def pay(order: int, amount: int) -> int:
+        assert current_lease() is None
+        return calls("pay")
+
+    assert pay(1, 10) == 1
+    assert pay(1, 10) == 2
+    assert pay.run(1, 10) == 3
+    assert keys_under(redis_client, key_prefix) == []
+    pay.apply((1, 10))
+    assert keys_under(redis_client, key_prefix) != []
+
+
+def test_eager_replay_of_a_tuple_equals_the_first_result(
+    make_app: Callable[..., Celery], calls: Calls
+) -> None:
+    """JSON turns a tuple into a list; the first caller and the replay get the same value."""
+    app = make_app(task_always_eager=True)
+
+    @app.task(base=IdempotentTask)
+    def pair(a: int) -> tuple[int, int]:
+        calls("pair")
+        return (a, a + 1)
+
+    first = pair.delay(1).get()
+    replay = pair.delay(1).get()
+
+    assert replay == [1, 2]
+    assert first == replay
+    assert calls["pair"] == 1
+
+
+def test_eager_chain_and_chord(make_app: Callable[..., Celery], calls: Calls) -> None:
+    app = make_app(task_always_eager=True)
+
+    @app.task(base=IdempotentTask)
+    def add(x: int, y: int) -> int:
+        calls(f"add{x},{y}")
+        return x + y
+
+    @app.task(base=IdempotentTask)
+    def total(values: list[int]) -> int:
+        calls("total")
+        return sum(values)
+
+    assert chain(add.s(1, 2), add.s(10)).apply_async().get() == 13
+    assert chain(add.s(1, 2), add.s(10)).apply_async().get() == 13
+    parts = [add.s(1, 1), add.s(1, 1), add.s(2, 2)]
+    assert chord(parts)(total.s()).get() == 8
+    assert chord(parts)(total.s()).get() == 8
+    assert group(add.s(1, 1), add.s(1, 1)).apply_async().get() == [2, 2]
+
+    assert calls["add1,2"] == 1
+    assert calls["add3,10"] == 1
+    assert calls["add1,1"] == 1
+    assert calls["add2,2"] == 1
+    assert calls["total"] == 1
+
+
+def test_eager_self_retry_commits_once(make_app: Callable[..., Celery], calls: Calls) -> None:
+    app = make_app(task_always_eager=True)
+
+    @app.task(base=IdempotentTask, bind=True, max_retries=3, idempotency_lock_ttl=10)
+    def flaky(self: Any, order: int) -> int:
+        n = calls("flaky")
+        if n <= 2:
+            raise self.retry(countdown=0)
+        return n
+
+    started = time.monotonic()
+    flaky.delay(1)
+    assert time.monotonic() - started < 5  # the retries were not blocked by the lock
+    assert calls["flaky"] == 3
+    assert flaky.delay(1).get() == 3
+    assert calls["flaky"] == 3
+
+
+def test_explicit_key_mismatch_in_apply(make_app: Callable[..., Celery], calls: Calls) -> None:
+    app = make_app()
+
+    @app.task(base=IdempotentTask)
+    def pay(order: int, amount: int) -> int:
+        return calls("pay")
+
+    headers = {"idempotency_key": "payment-42"}
+    assert pay.apply((1, 10), headers=headers).get() == 1
+    assert pay.apply((1, 10), headers=headers).get() == 1
+    refused = pay.apply((1, 20), headers=headers)
+
+    assert refused.state == "FAILURE"
+    with pytest.raises(IdempotencyMismatchError) as caught:
+        refused.get()
+    assert caught.value.key == f"{pay.name}:key:payment-42"
+    assert calls["pay"] == 1
+
+
+def test_failures_and_control_flow_store_nothing(
+    make_app: Callable[..., Celery], calls: Calls
+) -> None:
+    app = make_app()
+    outcome: dict[str, Any] = {}
+
+    @app.task(base=IdempotentTask)
+    def step(order: int) -> int:
+        n = calls("step")
+        effect = outcome.get(n)
+        if effect is not None:
+            raise effect
+        return n
+
+    outcome.update({1: RuntimeError("boom"), 2: Ignore(), 3: Reject("no", requeue=False)})
+    assert step.apply((1,)).state == "FAILURE"
+    assert step.apply((1,)).state == "IGNORED"
+    assert step.apply((1,)).state == "REJECTED"
+    assert step.apply((1,)).get() == 4
+    assert step.apply((1,)).get() == 4
+    assert calls["step"] == 4
+
+
+# --------------------------------------------------------------------------- on_locked (eager)
+
+
+def _hold(task: Any, *args: Any, ttl: float = 10) -> Any:
+    """Take the key's lock as another delivery would; returns the lease."""
+    guard = task._guard(task.idempotency_settings())
+    resource, _ = redis_names(task, key_of(task, *args))
+    lease = guard.lock_provider.acquire(resource, ttl)
+    assert lease is not None
+    return guard, lease
+
+
+def test_on_locked_raise_and_ignore_in_apply(make_app: Callable[..., Celery], calls: Calls) -> None:
+    app = make_app()
+    fast = {"idempotency_retry_count": 1, "idempotency_retry_base_delay": 0.01}
+
+    @app.task(base=IdempotentTask, idempotency_on_locked="raise", **fast)
+    def raising(order: int) -> int:
+        return calls("raising")
+
+    @app.task(base=IdempotentTask, idempotency_on_locked="ignore", **fast)
+    def ignoring(order: int) -> int:
+        return calls("ignoring")
+
+    _hold(raising, 1)
+    _hold(ignoring, 1)
+    refused = raising.apply((1,))
+    ignored = ignoring.apply((1,))
+
+    assert refused.state == "FAILURE"
+    with pytest.raises(LockAcquisitionError) as caught:
+        refused.get()
+    assert caught.value.attempts == 2
+    assert caught.value.key == key_of(raising, 1)
+    assert ignored.state == "IGNORED"
+    assert calls["raising"] == calls["ignoring"] == 0
+
+
+def test_on_locked_retry_in_apply_waits_for_the_lease(
+    make_app: Callable[..., Celery], calls: Calls
+) -> None:
+    app = make_app()
+
+    @app.task(
+        base=IdempotentTask,
+        max_retries=0,
+        idempotency_retry_count=0,
+        idempotency_retry_base_delay=0.05,
+        idempotency_lock_ttl=1,
+    )
+    def pay(order: int) -> int:
+        return calls("pay")
+
+    guard, lease = _hold(pay, 1, ttl=5)
+    timer = threading.Timer(0.6, guard.lock_provider.release, (lease,))
+    timer.start()
+    try:
+        started = time.monotonic()
+        result = pay.apply((1,))
+        waited = time.monotonic() - started
+    finally:
+        timer.cancel()
+
+    assert result.get() == 1
+    assert waited >= 0.5
+    # a lease that nobody releases (a killed holder) runs out by itself
+    _hold(pay, 2, ttl=1)
+    assert pay.apply((2,)).get() == 2
+
+
+# --------------------------------------------------------------------------- logs
+
+
+SECRET = "4111-1111-1111-1111"
+
+
+def test_replay_and_contention_log_lines_name_the_task_and_hide_arguments(
+    make_app: Callable[..., Celery], calls: Calls, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app()
+
+    @app.task(
+        base=IdempotentTask,
+        idempotency_on_locked="raise",
+        idempotency_retry_count=0,
+        idempotency_key="card:{card}",
+    )
+    def charge(card: str, amount: int) -> int:
+        return calls("charge")
+
+    caplog.set_level(logging.INFO, logger="celery_idempotent")
+    charge.apply((SECRET, 10), task_id="first-id")
+    replay = charge.apply((SECRET, 10), task_id="replay-id")
+    key = key_of(charge, SECRET, 10)
+    _hold(charge, "other-card", 5)
+    contended = charge.apply(("other-card", 5), task_id="contended-id")
+
+    assert replay.get() == 1
+    assert contended.state == "FAILURE"
+    ours = [r for r in caplog.records if r.name == "celery_idempotent"]
+    replays = [r for r in ours if "replayed" in r.getMessage()]
+    contentions = [r for r in ours if "held by another" in r.getMessage()]
+    assert len(replays) == 1
+    assert len(contentions) == 1
+    for record, task_id, raw_key in (
+        (replays[0], "replay-id", key),
+        (contentions[0], "contended-id", key_of(charge, "other-card", 5)),
+    ):
+        message = record.getMessage()
+        assert record.levelno == logging.INFO
+        assert charge.name in message
+        assert task_id in message
+        assert _hash(raw_key) in message
+        assert raw_key not in message
+    for record in ours:
+        message = record.getMessage()
+        assert SECRET not in message
+        assert "other-card" not in message
