@@ -21,10 +21,12 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.exceptions import DuplicateTaskNameWarning
 
 from celery_idempotent import IdempotentTask, current_lease
 from celery_idempotent import signals as idem_signals
@@ -164,6 +166,7 @@ def make_app(
     def on_lease_lost(sender: Any = None, key: str = "", **kwargs: Any) -> None:
         marks.push("lease_lost", key)
 
+    finalize_quietly(app)
     if not in_worker:
         return app
     # Strong references: these closures live as long as the app.
@@ -174,6 +177,18 @@ def make_app(
     idem_signals.idempotency_contended.connect(on_contended, weak=False)
     idem_signals.idempotency_lease_lost.connect(on_lease_lost, weak=False)
     return app
+
+
+def finalize_quietly(app: Celery) -> None:
+    """Finalize ``app`` without the other suites' name clashes.
+
+    Finalizing registers every shared task (``@app.task`` without ``shared=False``) defined so
+    far in this process, other test modules' included; their duplicate names are theirs, not
+    this app's (whose tasks are all ``shared=False``).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DuplicateTaskNameWarning)
+        app.finalize(auto=True)
 
 
 def config_from_env(environ: Any = os.environ) -> dict[str, Any]:

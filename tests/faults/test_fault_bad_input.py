@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from fault_app import finalize_quietly
 from faultlib import record_figures
 from servers import RedisServer
 
@@ -143,6 +144,7 @@ def test_a_task_with_unfingerprintable_arguments_fails_naming_the_type(
     def consume(item: Any) -> str:
         return "ran"
 
+    finalize_quietly(app)
     with pytest.raises(TypeError, match=r"builtins\.set"):
         consume.apply(({1, 2},), throw=True)
     assert list(redis_client.scan_iter(match=f"{key_prefix}*")) == []
@@ -291,6 +293,7 @@ def test_a_bad_task_setting_fails_the_call_naming_it_and_touches_nothing(
         calls.append(x)
         return x
 
+    finalize_quietly(app)
     with pytest.raises(error) as info:
         job.apply((1,), throw=True)
     assert setting in str(info.value), str(info.value)
@@ -338,6 +341,7 @@ def test_an_eager_task_on_an_unreachable_redis_fails_instead_of_waiting_forever(
         calls.append(x)
         return x
 
+    finalize_quietly(eager_app_on_a_closed_port)
     outcome: dict[str, Any] = {}
 
     def call() -> None:

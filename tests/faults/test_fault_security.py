@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from fault_app import finalize_quietly
 from faultlib import record_figures
 from servers import RedisServer
 
@@ -132,6 +133,7 @@ def test_a_planted_pickle_record_is_refused_through_a_task_too(
     def refund(order: int) -> str:
         return "refunded"
 
+    finalize_quietly(app)
     marker = tmp_path / "pwned"
     plant(
         redis_client,
@@ -246,6 +248,7 @@ def test_two_tasks_with_the_same_explicit_key_never_see_each_others_results(
         calls.append("refund")
         return f"refunded {amount}"
 
+    finalize_quietly(app)
     same = {"idempotency_key": "order-42"}
     assert charge.apply((10,), headers=same, throw=True).get() == "charged 10"
     assert refund.apply((10,), headers=same, throw=True).get() == "refunded 10"
