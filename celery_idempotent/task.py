@@ -62,6 +62,9 @@ _X_DEATH_HEADERS = frozenset(
     }
 )
 
+#: Set on the request of a delivery while IdempotentTask.__call__ handles it.
+_GUARDED = "_idempotency_guarded"
+
 _backends_lock = threading.Lock()
 # (pid, url, prefix, serializer, accept) -> (lock provider, store); per process because a
 # client made before fork must not be shared with the children.
@@ -121,11 +124,17 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.called_directly:
+        if request.called_directly or getattr(request, _GUARDED, False):
+            # No request of its own: a direct call, also one from inside this task's own
+            # body, where Celery leaves the running delivery's request (or a copy of it) on
+            # top of the stack. Guarding it would take that delivery's key.
             return super().__call__(*args, **kwargs)
         cfg = self.idempotency_settings()
         if not cfg.idempotency_enabled:
             return super().__call__(*args, **kwargs)
+        # Every delivery gets a request of its own (the tracer pushes a fresh one); a direct
+        # call finds this one, or the copy Task.__call__ pushes of it, marked.
+        setattr(request, _GUARDED, True)
         payload = self._bound_arguments(args, kwargs)
         key = self.idempotency_key_for(args, kwargs, payload=payload)
         guard = self._guard(cfg)
@@ -160,6 +169,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     break
         finally:
             _current_guard.reset(token)
+            setattr(request, _GUARDED, False)
         if (
             not outcome.replayed
             and request.is_eager
