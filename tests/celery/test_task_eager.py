@@ -129,6 +129,37 @@ def test_direct_call_runs_plainly_and_creates_no_keys(
     assert keys_under(redis_client, key_prefix) != []
 
 
+@pytest.mark.parametrize("strategy", ["task_id", "args", "fixed"])
+def test_direct_recursive_call_inside_the_body_runs_plainly(
+    make_app: Callable[..., Celery],
+    calls: Calls,
+    redis_client: Any,
+    key_prefix: str,
+    strategy: str,
+) -> None:
+    """A body that calls its own task directly makes a plain call: it has no request of its
+    own (Celery leaves the outer one on top of the stack), so it must neither take the outer
+    delivery's key (held: LockAcquisitionError, or a re-queue of the outer request with the
+    inner arguments) nor store records of its own."""
+    app = make_app(idempotency_on_locked="raise", idempotency_retry_count=0)
+
+    @app.task(base=IdempotentTask, idempotency_key=strategy if strategy != "fixed" else "k")
+    def fact(n: int) -> int:
+        calls("fact")
+        assert current_lease() is not None  # the outer delivery's lease, still ours
+        return 1 if n <= 1 else n * fact(n - 1)
+
+    result = fact.apply((4,), task_id="outer")
+
+    assert result.get() == 24
+    assert calls["fact"] == 4
+    # the outer delivery's record (and its fencing counter) only
+    tags = {name.split(b"{")[1].split(b"}")[0] for name in keys_under(redis_client, key_prefix)}
+    assert len(tags) == 1
+    assert fact.apply((4,), task_id="outer").get() == 24
+    assert calls["fact"] == 4
+
+
 def test_eager_replay_of_a_tuple_equals_the_first_result(
     make_app: Callable[..., Celery], calls: Calls
 ) -> None:

@@ -252,6 +252,17 @@ def test_chord_whose_duplicate_parts_are_requeued_on_contention_completes(
     assert signal_count(cidem, "contended", key_of(cidem.long_retry, tag, 1.5)) >= 2
 
 
+def test_direct_recursive_call_in_a_worker_runs_plainly(
+    cidem: ModuleType, workers: WorkerGroup, tag: str
+) -> None:
+    result = cidem.fact.apply_async((tag, 4))
+    assert result.get(timeout=TIMEOUT) == 24
+    assert count(cidem, "fact", tag) == 4
+    key = f"{cidem.fact.name}:id:{result.id}"
+    assert signal_count(cidem, "committed", key) == 1
+    assert signal_count(cidem, "contended", key) == 0
+
+
 # --------------------------------------------------------------------------- 6. explicit keys
 
 

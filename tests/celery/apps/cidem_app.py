@@ -238,6 +238,18 @@ def collect(values: list[Any], tag: str) -> list[Any]:
     return [v["token"] for v in values]
 
 
+@app.task(
+    base=IdempotentTask,
+    idempotency_key="task_id",
+    idempotency_on_locked="raise",
+    idempotency_retry_count=0,
+)
+def fact(tag: str, n: int) -> int:
+    """Calls itself directly: those inner calls are plain function calls."""
+    bump("fact", tag)
+    return 1 if n <= 1 else n * fact(tag, n - 1)
+
+
 @app.task(base=IdempotentTask)
 def charge(tag: str, order_id: int, amount: int) -> dict[str, Any]:
     n = bump("charge", tag)
