@@ -3,7 +3,7 @@
 The message is requeued (same task id) once the worker notices the loss, which can take a
 few seconds; a duplicate published right after the kill finds the killed run's lease still
 alive and re-queues itself (``on_locked="retry"``) until the lease expires
-(``idempotency_lock_ttl=2``, no one renews it any more). Only then does the body run again,
+(``idempotency_lock_ttl=3``, no one renews it any more). Only then does the body run again,
 once, for both deliveries. The runs never overlap, nothing was committed by the killed run,
 and after the commit duplicates replay.
 """
@@ -21,7 +21,7 @@ from workers import WorkerGroup
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow]
 
 TIMEOUT = 30
-LOCK_TTL = 2.0
+LOCK_TTL = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +56,21 @@ def test_killed_child_reruns_only_after_the_lease_expired_never_concurrently(
     victim = int(pid)
     lock = cidem.client().get(cidem.ckey("fragile-lock", tag)).decode()
     assert victim in worker.child_pids()
-    time.sleep(0.8)  # let the keeper renew the lease at least once (every lock_ttl / 3)
-    killed_at = cidem.redis_now()
+    time.sleep(1.2)  # let the keeper renew the lease at least once (every lock_ttl / 3)
+    # Redis' clock and the lease's remaining time, read together: the lease cannot expire
+    # before killed_at + remaining (a renewal between this read and the kill only delays it)
+    pipe = cidem.client().pipeline(transaction=True)
+    pipe.time()
+    pipe.pttl(lock)
+    (sec, usec), remaining_ms = pipe.execute()
+    killed_at = sec + usec / 1_000_000
+    assert remaining_ms > LOCK_TTL * 1000 * 2 / 3 - 200  # renewed: more than the first ttl left
     worker.kill_child(victim)
     # a duplicate (another task id) published now finds the dead run's lease still alive
     duplicate = task.apply_async((tag, 30.0))
 
     # the killed run's lease lives on until lock_ttl after its last renewal, then expires
     wait_for(lambda: not cidem.client().exists(lock), LOCK_TTL + 5, 0.01, "lease expiry")
-    expired_at = cidem.redis_now()
     value = result.get(timeout=TIMEOUT)
     assert duplicate.get(timeout=TIMEOUT) == value
 
@@ -75,8 +81,7 @@ def test_killed_child_reruns_only_after_the_lease_expired_never_concurrently(
     first_start, second_start, second_end = (at for _, at, _, _ in runs)
     assert runs[1][2] != victim
     # never at the same time: the second run began only after the killed run's lease was gone
-    assert second_start >= killed_at + LOCK_TTL * 2 / 3 - 0.05
-    assert second_start >= expired_at - 0.1
+    assert second_start >= killed_at + remaining_ms / 1000 - 0.01
     assert first_start < killed_at < second_start < second_end
     key = key_of(task, tag, 30.0)
     assert signal_count(cidem, "contended", key) >= 1  # the duplicate waited for the lease

@@ -458,13 +458,13 @@ def test_contended_signal_fires_once_per_failed_attempt(
     cidem: ModuleType, workers: WorkerGroup, tag: str
 ) -> None:
     task = cidem.contend  # on_locked="raise", idempotency_retry_count=2: three attempts
-    first = _start_long(cidem, task, tag, 1.5)
-    duplicate = task.apply_async((tag, 1.5))
+    first = _start_long(cidem, task, tag, 2.0)
+    duplicate = task.apply_async((tag, 2.0))
     with pytest.raises(LockAcquisitionError) as caught:
         duplicate.get(timeout=TIMEOUT)
     first.get(timeout=TIMEOUT)
 
-    key = key_of(task, tag, 1.5)
+    key = key_of(task, tag, 2.0)
     assert caught.value.attempts == 3
     assert signal_count(cidem, "contended", key) == 3
     data = signal_data(cidem, "contended", key)

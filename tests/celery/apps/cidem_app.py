@@ -124,7 +124,7 @@ def lease_info(tag: str) -> dict[str, Any]:
     base=IdempotentTask,
     acks_late=True,
     reject_on_worker_lost=True,
-    idempotency_lock_ttl=2,
+    idempotency_lock_ttl=3,
     idempotency_retry_count=0,
     idempotency_retry_base_delay=0.05,
 )
