@@ -23,6 +23,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 
 from celery_idempotent import signals
+from celery_idempotent._redis import make_client
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
     LockAcquisitionError,
@@ -30,9 +31,11 @@ from celery_idempotent.exceptions import (
 from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, current_lease
 from celery_idempotent.keys import fingerprint_payload
 from celery_idempotent.locks.memory import MemoryLockProvider
+from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
 from celery_idempotent.settings import IdempotencySettings, resolve
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
+from celery_idempotent.stores.redis import RedisIdempotencyStore
 
 __all__ = ["KEY_HEADER", "REQUEUE_HEADER", "IdempotentTask", "reset_backends"]
 
@@ -396,10 +399,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     MemoryIdempotencyStore(),
                 )
             else:
-                from celery_idempotent._redis import make_client  # noqa: PLC0415
-                from celery_idempotent.locks.redis import RedisLockProvider  # noqa: PLC0415
-                from celery_idempotent.stores.redis import RedisIdempotencyStore  # noqa: PLC0415
-
                 client = make_client(None, url, "idempotency_url")
                 pair = (
                     RedisLockProvider(client, key_prefix=cfg.idempotency_key_prefix),
