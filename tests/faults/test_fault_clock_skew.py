@@ -78,14 +78,14 @@ def test_record_ttl_and_lease_are_the_servers_and_replays_cross_skews(
 def test_a_long_body_keeps_its_lease_under_a_skewed_clock(
     redis_client: redis.Redis, key_prefix: str, skew: float
 ) -> None:
-    """Renewal is driven by ``time.monotonic``: a body 2.5x its lease keeps the key."""
-    guard = skewed_guard(redis_client, key_prefix, skew, lock_ttl=0.6, retry_count=0)
-    rival = skewed_guard(redis_client, key_prefix, -skew, lock_ttl=0.6, retry_count=0)
+    """Renewal is driven by ``time.monotonic``: a body 2.4x its lease keeps the key."""
+    guard = skewed_guard(redis_client, key_prefix, skew, lock_ttl=1.0, retry_count=0)
+    rival = skewed_guard(redis_client, key_prefix, -skew, lock_ttl=1.0, retry_count=0)
     refused: list[bool] = []
 
     def body() -> str:
         for _ in range(3):
-            time.sleep(0.5)
+            time.sleep(0.8)
             with pytest.raises(LockAcquisitionError):
                 rival.execute("long", lambda: "rival")
             refused.append(True)

@@ -293,7 +293,7 @@ def test_an_acl_user_limited_to_its_prefix_and_the_needed_commands_is_enough(
             store=RedisIdempotencyStore(url=url),
             lock_provider=RedisLockProvider(url=url, key_prefix=prefix),
             key_prefix=prefix,
-            lock_ttl=0.6,
+            lock_ttl=1.0,
             retry_count=0,
         )
 
@@ -304,7 +304,7 @@ def test_an_acl_user_limited_to_its_prefix_and_the_needed_commands_is_enough(
         guard.execute("k", lambda: "x", input={"a": 2})
 
     def long_body() -> str:
-        time.sleep(1.2)  # two lease lengths: renewals (EVALSHA) pass the ACL
+        time.sleep(2.0)  # two lease lengths: renewals (EVALSHA) pass the ACL
         return "renewed"
 
     assert guard.execute("long", long_body) == "renewed"
