@@ -1,0 +1,172 @@
+"""End to end through a real worker: a no-op task, plain versus ``base=IdempotentTask``.
+
+One ``celery worker`` subprocess (prefork, 2 processes by default) uses the benchmark's Redis as
+broker, result backend and idempotency store. Each block publishes ``tasks`` tasks as one group
+and waits for all their results; blocks of the three kinds take turns, round after round, each
+kind first in a third of the rounds:
+
+- ``plain``: ``@app.task``, distinct arguments;
+- ``idempotent_first``: ``@app.task(base=IdempotentTask)``, arguments never seen before;
+- ``idempotent_duplicate``: the same task with the arguments of the previous round's first
+  block, so every delivery replays a stored result.
+
+Throughput is tasks per second from the first publish to the last result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def available() -> bool:
+    """Whether ``IdempotentTask`` can be imported (the case needs it)."""
+    try:
+        import celery_idempotent.task  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _env(url: str, queue: str, prefix: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(CI_BENCH_REDIS_URL=url, CI_BENCH_QUEUE=queue, CI_BENCH_PREFIX=prefix)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def run(
+    url: str,
+    prefix: str,
+    *,
+    rounds: int,
+    tasks: int,
+    pool: str = "prefork",
+    concurrency: int = 2,
+) -> dict[str, Any]:
+    queue = prefix.rstrip(":").replace(":", ".")
+    env = _env(url, queue, prefix)
+    # The app module reads its configuration from the environment at import.
+    os.environ.update(
+        {k: env[k] for k in ("CI_BENCH_REDIS_URL", "CI_BENCH_QUEUE", "CI_BENCH_PREFIX")}
+    )
+    sys.modules.pop("benchmarks.e2e_app", None)
+    from benchmarks import e2e_app
+
+    if e2e_app.IdempotentTask is None:
+        return {"skipped": "celery_idempotent.task is not importable"}
+    command = [
+        *(sys.executable, "-m", "celery", "-A", "benchmarks.e2e_app", "worker"),
+        *("-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h", "-l", "warning"),
+        *("--without-gossip", "--without-mingle", "--without-heartbeat"),
+    ]
+    with tempfile.TemporaryFile() as log:
+        worker = subprocess.Popen(
+            command, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            seconds, counts, blocks = _measure(e2e_app, worker, rounds, tasks, concurrency)
+        except BaseException:
+            log.seek(0)
+            tail = log.read()[-4000:].decode("utf-8", "replace")
+            print(f"end-to-end run failed; the worker's last output:\n{tail}", file=sys.stderr)
+            raise
+        finally:
+            worker.terminate()
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(10)
+            with contextlib.suppress(Exception):
+                e2e_app.app.close()
+
+    tps = {k: counts[k] / seconds[k] for k in seconds}
+    # Rounds are short and their blocks adjacent: the median of the per-round ratios is what
+    # a load burst on a shared machine disturbs least.
+    per_round = {
+        kind: [round(b / p, 3) for b, p in zip(blocks[kind], blocks["plain"])]
+        for kind in ("idempotent_first", "idempotent_duplicate")
+    }
+    return {
+        "pool": pool,
+        "concurrency": concurrency,
+        "rounds": rounds,
+        "tasks_per_block": tasks,
+        "tasks_per_second": {k: round(v, 1) for k, v in tps.items()},
+        "blocks_tasks_per_second": blocks,
+        "ratio_first": round(tps["idempotent_first"] / tps["plain"], 3),
+        "ratio_duplicate": round(tps["idempotent_duplicate"] / tps["plain"], 3),
+        "ratio_per_round": per_round,
+        "ratio_first_median_of_rounds": statistics.median(per_round["idempotent_first"]),
+        "ratio_duplicate_median_of_rounds": statistics.median(per_round["idempotent_duplicate"]),
+    }
+
+
+def _measure(
+    e2e_app: Any, worker: subprocess.Popen[bytes], rounds: int, tasks: int, concurrency: int
+) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]]]:
+    from celery import group
+    from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+    plain, idem = e2e_app.plain, e2e_app.idempotent
+
+    def gather(task: Any, args: range | list[int], timeout: float = 300) -> list[Any]:
+        values: list[Any] = (
+            group(task.s(i) for i in args).apply_async().get(timeout=timeout, interval=0.005)
+        )
+        if values != list(args):
+            raise RuntimeError(f"{task.name}: wrong results")
+        return values
+
+    # Worker up, each child warm: connections made, scripts loaded.
+    first = plain.delay(-1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            first.get(timeout=1)
+            break
+        except CeleryTimeoutError:
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker exited with {worker.returncode}") from None
+            if time.monotonic() > deadline:
+                raise
+    warm = [-(10**6) - i for i in range(16 * concurrency)]
+    gather(idem, warm, 60)
+    gather(idem, warm, 60)
+    gather(plain, warm, 60)
+
+    seconds = {"plain": 0.0, "idempotent_first": 0.0, "idempotent_duplicate": 0.0}
+    counts = dict.fromkeys(seconds, 0)
+    blocks: dict[str, list[float]] = {k: [] for k in seconds}
+    # Duplicates replay the first executions of the round before (round 0's are seeded
+    # untimed), so that every kind can take every place in the rotation.
+    previous = range(-tasks - 10**5, -(10**5))
+    gather(idem, previous)
+    for r in range(rounds):
+        args = range(r * tasks, (r + 1) * tasks)
+        kinds = [
+            ("plain", plain, args),
+            ("idempotent_first", idem, args),
+            ("idempotent_duplicate", idem, previous),
+        ]
+        shift = r % len(kinds)
+        for kind, task, a in kinds[shift:] + kinds[:shift]:
+            t0 = time.perf_counter()
+            gather(task, a)
+            elapsed = time.perf_counter() - t0
+            seconds[kind] += elapsed
+            counts[kind] += len(a)
+            blocks[kind].append(round(len(a) / elapsed, 1))
+        previous = args
+    e2e_app.app.close()
+    return seconds, counts, blocks

@@ -1,0 +1,407 @@
+"""Run every benchmark against one Redis, print the table and the targets, write JSON.
+
+``python -m benchmarks`` (see ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LATEST = HERE / "results" / "latest.json"
+QUICK = HERE / "results" / "quick.json"
+
+#: The cases of the per-call table, in the order printed.
+CASES = (
+    "ping",
+    "evalsha_floor",
+    "guard_first",
+    "guard_duplicate",
+    "scripts_first",
+    "scripts_duplicate",
+    "powertools_first",
+    "powertools_duplicate",
+    "naive_first",
+    "naive_duplicate",
+    "celery_once",
+    "redis_py_lock",
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="celery-idempotent against the alternatives, on one Redis.",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="Redis to use (default: $REDIS_URL, else a private redis-server is started). "
+        "Keys are namespaced per run and deleted afterwards; nothing else is touched.",
+    )
+    p.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
+    p.add_argument("--calls", type=int, default=200, help="calls per case per round (200)")
+    p.add_argument("--e2e-rounds", type=int, default=8, help="end-to-end rounds (default 8)")
+    p.add_argument("--e2e-tasks", type=int, default=300, help="tasks per end-to-end block (300)")
+    p.add_argument("--pool", default="prefork", help="worker pool (default prefork)")
+    p.add_argument("--concurrency", type=int, default=2, help="worker concurrency (default 2)")
+    p.add_argument("--memory-keys", type=int, default=1_000_000, help="memory store keys (1M)")
+    p.add_argument("--skip-e2e", action="store_true", help="no worker")
+    p.add_argument("--skip-memory", action="store_true", help="no memory-store run")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few iterations only, no worker, 20k memory keys: checks that it works; "
+        "writes results/quick.json unless --output is given",
+    )
+    p.add_argument(
+        "--output", type=Path, help=f"JSON file (default {LATEST.relative_to(HERE.parent)})"
+    )
+    p.add_argument(
+        "--profile",
+        metavar="CASE",
+        choices=CASES,
+        help="instead of the run: profile one per-call case with pyinstrument and print it",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds = min(args.rounds, 2)
+        args.calls = min(args.calls, 20)
+        args.memory_keys = min(args.memory_keys, 20_000)
+        args.skip_e2e = True
+    if args.output is None:
+        args.output = QUICK if args.quick else LATEST
+    return args
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def machine(client: Any) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for dist in (
+        "celery",
+        "kombu",
+        "redis",
+        "aws-lambda-powertools",
+        "celery-once",
+        "celery-idempotent",
+    ):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    info = client.info("server")
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:  # pragma: no cover - older redis-py
+        HIREDIS_AVAILABLE = False
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "redis_server": info.get("redis_version"),
+        "reply_parser": "hiredis" if HIREDIS_AVAILABLE else "python",
+        "packages": versions,
+        "loadavg_start": _loadavg(),
+    }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+
+def targets(micro: dict[str, Any] | None, e2e: dict[str, Any] | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(
+        name: str, value: float, limit: float, unit: str, how: str, *, at_most: bool = True
+    ) -> None:
+        ok = value <= limit if at_most else value >= limit
+        out.append(
+            {
+                "target": name,
+                "value": round(value, 3),
+                "op": "≤" if at_most else "≥",
+                "limit": limit,
+                "unit": unit,
+                "how": how,
+                "pass": ok,
+            }
+        )
+
+    if micro:
+        g1, gd = micro["guard_first"], micro["guard_duplicate"]
+        p1, pd = micro["powertools_first"], micro["powertools_duplicate"]
+        ping = micro["ping"]["p50_us"]
+        add("round trips, first execution", g1["round_trips"], 2, "", "counted at the client")
+        add("round trips, duplicate", gd["round_trips"], 1, "", "counted at the client")
+        for label, ours, theirs, limit in (
+            ("first execution vs Powertools first call", g1, p1, 0.75),
+            ("duplicate vs Powertools duplicate", gd, pd, 0.5),
+        ):
+            if "skipped" in theirs:
+                out.append({"target": label, "pass": None, "how": theirs["skipped"]})
+                continue
+            add(
+                label,
+                ours["p50_us"] / theirs["p50_us"],
+                limit,
+                "×",
+                f"p50 {ours['p50_us']} / {theirs['p50_us']} µs",
+            )
+        for label, case in (("first execution", g1), ("duplicate", gd)):
+            rt = case["round_trips"]
+            add(
+                f"client CPU per guarded call, {label}",
+                case["p50_us"] - rt * ping,
+                50,
+                "µs",
+                f"p50 {case['p50_us']} − {rt:g} × PING p50 {ping} µs",
+            )
+    if e2e and "tasks_per_second" in e2e:
+        tps = e2e["tasks_per_second"]
+        for label, kind, short in (
+            ("first executions", "idempotent_first", "first"),
+            ("duplicates", "idempotent_duplicate", "duplicate"),
+        ):
+            add(
+                f"end-to-end throughput, {label} vs plain",
+                e2e[f"ratio_{short}_median_of_rounds"],
+                0.85,
+                "×",
+                f"median of {e2e['rounds']} per-round ratios; all rounds together "
+                f"{tps[kind]:.0f} / {tps['plain']:.0f} tasks/s = {tps[kind] / tps['plain']:.2f}",
+                at_most=False,
+            )
+    return out
+
+
+# -- printing ---------------------------------------------------------------------------------
+
+
+def render(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    m = result["machine"]
+    lines.append(
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['implementation']} {m['python']}, "
+        f"Redis {m['redis_server']}, redis-py {m['packages']['redis']} "
+        f"({m['reply_parser']} reply parser), "
+        f"celery {m['packages']['celery']}; load average {m['loadavg_start']} -> "
+        f"{result.get('loadavg_end')}"
+    )
+    micro = result.get("per_call")
+    if micro:
+        cfg = result["config"]
+        lines.append("")
+        lines.append(
+            f"Per call, one Redis on loopback ({cfg['rounds']} rounds × {cfg['calls']} calls per "
+            "case, interleaved):"
+        )
+        lines.append("")
+        lines.append(
+            "| case | round trips | p50 µs | p99 µs | client CPU µs | server µs | commands |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|---|")
+        for name in CASES:
+            c = micro.get(name)
+            if c is None:
+                continue
+            if "skipped" in c:
+                lines.append(f"| {name}: skipped, {c['skipped']} | | | | | | |")
+                continue
+            lines.append(
+                f"| {c['label']} | {c['round_trips']:g} | {c['p50_us']:.0f} | {c['p99_us']:.0f} "
+                f"| {c['client_cpu_us']:.0f} | {c['server_us']:.1f} | {' '.join(c['commands'])} |"
+            )
+        lines.append("")
+        lines.append(
+            "client CPU: this process's CPU time per call (mean; on loopback the kernel's TCP work "
+            "lands here too); server: Redis's own time per call (INFO commandstats)."
+        )
+    e2e = result.get("end_to_end")
+    if e2e:
+        lines.append("")
+        if "skipped" in e2e:
+            lines.append(f"End to end: skipped ({e2e['skipped']})")
+        else:
+            tps = e2e["tasks_per_second"]
+            lines.append(
+                f"End to end, no-op task through a real worker (-P {e2e['pool']} "
+                f"-c {e2e['concurrency']}, {e2e['rounds']} rounds × {e2e['tasks_per_block']} tasks "
+                "per kind, group publish then get):"
+            )
+            lines.append("")
+            lines.append("| task | tasks/s | vs plain | vs plain, median of rounds |")
+            lines.append("|---|---:|---:|---:|")
+            medians = {
+                "plain": 1.0,
+                "idempotent_first": e2e["ratio_first_median_of_rounds"],
+                "idempotent_duplicate": e2e["ratio_duplicate_median_of_rounds"],
+            }
+            for kind, label in (
+                ("plain", "@app.task"),
+                ("idempotent_first", "base=IdempotentTask, first executions"),
+                ("idempotent_duplicate", "base=IdempotentTask, duplicates"),
+            ):
+                lines.append(
+                    f"| {label} | {tps[kind]:.0f} | {tps[kind] / tps['plain']:.2f} "
+                    f"| {medians[kind]:.2f} |"
+                )
+    mem = result.get("memory_store")
+    if mem:
+        lines.append("")
+        lines.append(
+            f"Memory store, {mem['keys']:,} distinct keys, TTL {mem['ttl_s']:g} s on a fake clock "
+            f"advancing {mem['clock_step_s']:g} s per key: set {mem['set_ops_per_s']:,}/s, "
+            f"get {mem['get_ops_per_s']:,}/s, RSS +{mem['rss_delta_mib']} MiB with "
+            f"{mem['live_records_after']:,} records alive (peak {mem['peak_live_records']:,}); "
+            f"{mem['bytes_per_live_record']} bytes per live record."
+        )
+    lines.append("")
+    lines.append("Targets (ratios from this run):")
+    lines.append("")
+    for t in result["targets"]:
+        if t["pass"] is None:
+            lines.append(f"  n/a   {t['target']}: {t['how']}")
+            continue
+        verdict = "PASS" if t["pass"] else "MISS"
+        value = f"{t['value']:g}{t['unit']}" if t["unit"] != "µs" else f"{t['value']:.0f} µs"
+        limit = f"{t['limit']:g}{t['unit']}" if t["unit"] != "µs" else f"{t['limit']:g} µs"
+        lines.append(f"  {verdict}  {t['target']}: {value} ({t['op']} {limit}; {t['how']})")
+    return "\n".join(lines)
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def _delete_prefix(client: Any, prefix: str) -> None:
+    batch: list[Any] = []
+    for key in client.scan_iter(match=prefix.replace("*", r"\*") + "*", count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            client.unlink(*batch)
+            batch.clear()
+    if batch:
+        client.unlink(*batch)
+
+
+def _memory(keys: int) -> dict[str, Any]:
+    # A TTL of 60 fake seconds and a clock step that keeps at most 60,000 records alive, or a
+    # quarter of the keys for a short run: either way most records must be swept.
+    step = max(0.001, 60.0 / (keys / 4))
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--keys", str(keys), "--step", str(step)],
+        cwd=str(HERE.parent),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def _profile(client: Any, prefix: str, case_name: str) -> None:
+    from pyinstrument import Profiler
+
+    from benchmarks import micro
+
+    cases = {c.name: c for c in micro.build_cases(client, prefix)[0]}
+    call = cases[case_name].call
+    for i in range(10**6, 10**6 + 300):
+        call(i)
+    profiler = Profiler(interval=0.0001)
+    profiler.start()
+    for i in range(3000):
+        call(i)
+    profiler.stop()
+    print(profiler.output_text(unicode=True, color=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks._counting import counting_client
+    from benchmarks._server import PrivateRedis
+
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url
+        if not url:
+            url = stack.enter_context(PrivateRedis())
+        client = counting_client(url)
+        stack.callback(client.close)
+        prefix = f"cibench:{secrets.token_hex(4)}:"
+        stack.callback(_delete_prefix, client, prefix)
+        if args.profile:
+            _profile(client, prefix, args.profile)
+            return 0
+        result: dict[str, Any] = {
+            "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(
+                ["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "machine": machine(client),
+            "config": {
+                "rounds": args.rounds,
+                "calls": args.calls,
+                "redis": "private" if not args.redis_url else "given",
+            },
+        }
+        from benchmarks import micro
+
+        print(f"per-call cases: {args.rounds} rounds × {args.calls} calls ...", file=sys.stderr)
+        result["per_call"] = micro.run(client, prefix, rounds=args.rounds, calls=args.calls)
+        if not args.skip_e2e:
+            from benchmarks import e2e
+
+            print(
+                f"end to end: {args.e2e_rounds} rounds × {args.e2e_tasks} tasks ...",
+                file=sys.stderr,
+            )
+            result["end_to_end"] = e2e.run(
+                url,
+                prefix,
+                rounds=args.e2e_rounds,
+                tasks=args.e2e_tasks,
+                pool=args.pool,
+                concurrency=args.concurrency,
+            )
+        if not args.skip_memory:
+            print(f"memory store: {args.memory_keys:,} keys ...", file=sys.stderr)
+            result["memory_store"] = _memory(args.memory_keys)
+        result["loadavg_end"] = _loadavg()
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        result["targets"] = targets(result.get("per_call"), result.get("end_to_end"))
+
+    print(render(result))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    print(f"\nwritten: {args.output} ({result['seconds']} s)", file=sys.stderr)
+    return 0
