@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_idempotent.backoff import ExponentialJitterBackoff
 from celery_idempotent.exceptions import (
+    CommitUnknownError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -48,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AtomicBackend",
     "Claim",
+    "CommitUnknownError",
     "DistributedIdempotencyGuard",
     "ExponentialJitterBackoff",
     "GuardEvent",

@@ -7,6 +7,7 @@ One root, every error carrying the idempotency key it concerns::
     ├── IdempotencyAbortedError       .attempts      the abort event was set before the body ran
     ├── IdempotencyMismatchError      .stored_fingerprint, .fingerprint
     ├── LockLostError                 .result        body ran, lease lost: not committed
+    │   └── CommitUnknownError        .result        body ran, commit sent but never confirmed
     ├── IdempotencyBackendError                      a store or lock failed (chains the cause)
     │   └── IdempotencyConnectionError               the backend could not be reached
     ├── RecordDecodeError             .content_type  stored record refused (not accepted, corrupt)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CommitUnknownError",
     "IdempotencyAbortedError",
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
@@ -128,6 +130,17 @@ class LockLostError(IdempotencyError):
 
     def _describe(self) -> str:
         return "lease lost while the body ran; the result was not committed"
+
+
+class CommitUnknownError(LockLostError):
+    """The body ran and its commit was sent, but no answer came back within ``lock_ttl``.
+
+    The result may or may not be stored (a lost reply, not a refused commit): look the key up
+    (a replay tells) before compensating. ``result`` is what the body returned.
+    """
+
+    def _describe(self) -> str:
+        return "the commit could not be confirmed; the result may or may not be stored"
 
 
 class IdempotencyBackendError(IdempotencyError):

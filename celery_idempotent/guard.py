@@ -31,6 +31,7 @@ from celery_idempotent import _renewal
 from celery_idempotent._validate import check_count, check_delay, check_duration
 from celery_idempotent.backoff import ExponentialJitterBackoff, Sleep, event_sleep
 from celery_idempotent.exceptions import (
+    CommitUnknownError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -39,7 +40,7 @@ from celery_idempotent.exceptions import (
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.keys import fingerprint_payload, lock_resource, record_key
+from celery_idempotent.keys import fingerprint_payload, key_digest, lock_resource, record_key
 from celery_idempotent.protocols import (
     AtomicBackend,
     Claim,
@@ -348,42 +349,70 @@ class DistributedIdempotencyGuard:
     def _commit(
         self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord, started: float
     ) -> bool:
-        """Store the record while still the holder. True when the commit also released."""
-        try:
-            if self._atomic is not None:
-                ok = self._backend(
-                    key, "commit", self._atomic.commit, lease, rkey, record, self.ttl
+        """Store the record while still the holder. True when the commit also released.
+
+        A connection error leaves the outcome open: the request may have reached the server and
+        only its reply been lost. The commit is safe to send again (it answers "stored" when
+        this lease's record is already there, "not the holder" otherwise), so it is sent again
+        with back-off for up to ``lock_ttl`` seconds before the outcome is reported unknown.
+        """
+        waited, delay = 0.0, 0.05
+        while True:
+            try:
+                ok, released = self._commit_once(key, rkey, lease, record)
+                break
+            except IdempotencyConnectionError as exc:
+                if waited >= self.lock_ttl:
+                    self._emit("lease_lost", key, 0, started, lease.fencing_token)
+                    raise CommitUnknownError(
+                        key,
+                        record.result,
+                        f"the commit could not be confirmed for {waited:.1f}s ({exc}): the "
+                        "result may or may not be stored; look it up before compensating",
+                    ) from exc
+                log.warning(
+                    "commit of key #%s unconfirmed (%s); sending it again", key_digest(key), exc
                 )
-                released = ok
-            else:
-                # Two backends cannot decide atomically: prove the lease (and give it a full
-                # lock_ttl for the write) right before writing.
-                ok = self._backend(
-                    key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl
-                )
-                if ok:
-                    self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
-                released = False
-        except IdempotencyBackendError as exc:
-            # The body ran and its side effects happened: the caller needs its result even
-            # though the backend failed. The commit cannot be confirmed, so the lease is
-            # treated as lost (a retried commit script would have reported an earlier success).
-            self._emit("lease_lost", key, 0, started, lease.fencing_token)
-            raise LockLostError(
-                key, record.result, f"could not confirm the commit: {exc}; the result is not stored"
-            ) from exc
+                self._sleep(delay, None)
+                waited += delay
+                delay = min(delay * 2, 1.0)
+            except IdempotencyBackendError as exc:
+                # The backend refused the commit (not a lost reply): nothing was stored. The
+                # body's side effects happened, so the caller still gets its result.
+                self._emit("lease_lost", key, 0, started, lease.fencing_token)
+                raise LockLostError(
+                    key, record.result, f"the commit failed: {exc}; the result is not stored"
+                ) from exc
         if not ok:
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
             raise LockLostError(key, record.result)
         self._emit("committed", key, 0, started, lease.fencing_token)
         return released
 
+    def _commit_once(
+        self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord
+    ) -> tuple[bool, bool]:
+        """One commit attempt: (stored, lock released by it)."""
+        if self._atomic is not None:
+            ok = self._backend(key, "commit", self._atomic.commit, lease, rkey, record, self.ttl)
+            return ok, ok
+        # Two backends cannot decide atomically: prove the lease (and give it a full lock_ttl
+        # for the write) right before writing.
+        ok = self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
+        if ok:
+            self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
+        return ok, False
+
     def _release(self, key: str, lease: Lease) -> None:
         try:
             self.lock_provider.release(lease)
         except Exception as exc:
             # Never mask the body's outcome; the lease expires on its own within lock_ttl.
-            log.warning("could not release the lock of key %r (%r); it expires by itself", key, exc)
+            log.warning(
+                "could not release the lock of key #%s (%r); it expires by itself",
+                key_digest(key),
+                exc,
+            )
 
     def _backend(self, key: str, op: str, method: Callable[..., T], *args: Any) -> T:
         """Call a backend method, turning foreign failures into IdempotencyBackendError."""
@@ -408,4 +437,4 @@ class DistributedIdempotencyGuard:
         try:
             self._on_event(GuardEvent(kind, key, attempt, self.clock() - started, fencing))
         except Exception:
-            log.exception("on_event handler failed for %s of key %r", kind, key)
+            log.exception("on_event handler failed for %s of key #%s", kind, key_digest(key))

@@ -17,7 +17,7 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["fingerprint_payload", "lock_resource", "record_key", "slot_key"]
+__all__ = ["fingerprint_payload", "key_digest", "lock_resource", "record_key", "slot_key"]
 
 #: Keys longer than this are shortened in Redis names: a readable head plus a digest.
 MAX_READABLE_KEY = 200
@@ -124,6 +124,12 @@ def _encode(obj: Any, out: list[bytes], active: set[int]) -> None:
             "pass str, int, float, bool, None, list, tuple, dict, UUID, Decimal, datetime, "
             "date, Enum or bytes, or give the guard a fingerprint_fn of your own"
         )
+
+
+def key_digest(key: str) -> str:
+    """A short hash of ``key`` for log lines: keys built from arguments may hold personal data,
+    and logs must never carry argument values."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def slot_key(key: str) -> str:

@@ -9,7 +9,6 @@ One task instance serves every thread of a process, so nothing per call is kept 
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import inspect
 import logging
 import os
@@ -29,7 +28,7 @@ from celery_idempotent.exceptions import (
     LockAcquisitionError,
 )
 from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, current_lease
-from celery_idempotent.keys import fingerprint_payload
+from celery_idempotent.keys import fingerprint_payload, key_digest
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
@@ -89,10 +88,6 @@ def reset_backends() -> None:
     with _backends_lock:
         _backends.clear()
         _guards.clear()
-
-
-def _hash(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -187,7 +182,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 "replayed stored result for %s[%s] key=%s (fencing token %s)",
                 self.name,
                 request.id,
-                _hash(key),
+                key_digest(key),
                 outcome.fencing_token,
             )
         return outcome.value
@@ -298,14 +293,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             "key held by another delivery for %s[%s] key=%s after %d attempt(s): %s",
             self.name,
             self.request.id,
-            _hash(key),
+            key_digest(key),
             exc.attempts,
             policy,
         )
         if policy == "raise":
             raise exc
         if policy == "ignore":
-            raise Ignore(f"idempotency key held by another delivery: {_hash(key)}")
+            raise Ignore(f"idempotency key held by another delivery: {key_digest(key)}")
         self._requeue(cfg, exc, args, kwargs)
 
     def _requeue(

@@ -22,7 +22,7 @@ from celery_idempotent import (
     LockAcquisitionError,
     current_lease,
 )
-from celery_idempotent.task import _hash
+from celery_idempotent.keys import key_digest as _hash
 
 pytestmark = pytest.mark.redis
 

@@ -21,6 +21,7 @@ from faultlib import record_figures
 from servers import TcpProxy
 
 from celery_idempotent import (
+    CommitUnknownError,
     DistributedIdempotencyGuard,
     IdempotencyConnectionError,
     LockLostError,
@@ -196,30 +197,25 @@ def test_commands_through_a_stalled_proxy_fail_with_the_library_error_not_a_hang
 def report(
     guard: DistributedIdempotencyGuard, key: str, body: Callable[[], Any]
 ) -> tuple[bool, Any]:
-    """(whether the guard reported the result as stored, the body's result)."""
+    """(whether the guard reported the result as stored, the body's result).
+
+    A CommitUnknownError is not an answer either way, so it fails the test: these faults are
+    shorter than the lease, and the guard must resolve them."""
     try:
         return True, guard.execute(key, body)
+    except CommitUnknownError as exc:
+        raise AssertionError(f"the commit outcome was left unknown: {exc}") from exc
     except LockLostError as exc:
         return False, exc.result
-
-
-COMMIT_UNKNOWN_BUG = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (guard._commit since 5479ab7): a commit whose reply is lost (socket timeout while "
-        "the request is in flight) raises LockLostError 'the result is not stored', but the "
-        "request reaches Redis when the network returns and the record IS stored: a caller "
-        "that compensates on LockLostError, as the README advises, undoes a committed result "
-        "that every later delivery replays. The outcome is unknown, not 'not stored'."
-    ),
-)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "atomic",
     [
-        pytest.param(True, id="atomic", marks=COMMIT_UNKNOWN_BUG),
+        # atomic: the reply of the commit is lost; the guard sends the commit again until
+        # Redis answers, and the answer ("already stored by this lease") is the truth
+        pytest.param(True, id="atomic"),
         # split: the stall catches the lease check (extend) before the write is sent
         pytest.param(False, id="split"),
     ],

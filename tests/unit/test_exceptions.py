@@ -11,6 +11,7 @@ from celery import Celery
 from celery.backends.base import BaseBackend
 
 from celery_idempotent import (
+    CommitUnknownError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -36,6 +37,7 @@ EXAMPLES = [
     ),
     (LockLostError("k5", {"charged": [1, 2]}), {"key": "k5", "result": {"charged": [1, 2]}}),
     (LockLostError("k5", None), {"key": "k5", "result": None}),
+    (CommitUnknownError("k5", [3], "unconfirmed"), {"key": "k5", "result": [3]}),
     (IdempotencyBackendError("k6", "store get failed"), {"key": "k6"}),
     (IdempotencyConnectionError("k7", "refused"), {"key": "k7", "message": "refused"}),
     (RecordDecodeError("k8", "application/x-python-serialize"), {"key": "k8"}),

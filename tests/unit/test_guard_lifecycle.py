@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from celery_idempotent import (
+    CommitUnknownError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyMismatchError,
@@ -223,3 +224,39 @@ def test_bad_fn_and_abort_are_refused_before_any_lock(lguard, ledger):
     with pytest.raises(TypeError, match="abort"):
         lguard.execute("k", lambda: 1, abort=True)
     assert ledger.granted == []
+
+
+class FlakyExtendProvider(MemoryLockProvider):
+    """A provider whose extend (the split path's commit check) loses its reply ``fails`` times."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__()
+        self.fails = fails
+        self.calls = 0
+
+    def extend(self, lease, ttl):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise ConnectionError("reply lost")
+        return super().extend(lease, ttl)
+
+
+def test_a_commit_whose_reply_is_lost_is_sent_again_until_answered(make_guard, store, sleeps):
+    provider = FlakyExtendProvider(fails=3)
+    guard = make_guard(lock_provider=provider, lock_ttl=10)
+    assert guard.execute("k", lambda: "charged") == "charged"
+    assert store.get(guard.record_key("k")).result == "charged"
+    assert sleeps.delays == [0.05, 0.1, 0.2]  # back-off between the resent commits
+    assert not provider.is_locked(guard.lock_resource("k"))
+
+
+def test_a_commit_never_answered_is_reported_unknown_not_lost(make_guard, store, sleeps):
+    provider = FlakyExtendProvider(fails=10**6)
+    guard = make_guard(lock_provider=provider, lock_ttl=3)
+    with pytest.raises(CommitUnknownError) as info:
+        guard.execute("k", lambda: "charged")
+    assert isinstance(info.value, LockLostError)  # still caught by except LockLostError
+    assert info.value.result == "charged"
+    assert "may or may not be stored" in str(info.value)
+    assert sum(sleeps.delays) >= 3  # it kept asking for as long as the lease could be ours
+    assert max(sleeps.delays) <= 1.0
