@@ -83,7 +83,7 @@ def keys_under(redis_client: Any, prefix: str) -> list[bytes]:
 def test_apply_runs_once_and_replays(make_app: Callable[..., Celery], calls: Calls) -> None:
     app = make_app()
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def pay(order: int, amount: int) -> dict[str, Any]:
         return {"order": order, "run": calls("pay"), "token": uuid.uuid4().hex}
 
@@ -100,7 +100,7 @@ def test_apply_runs_once_and_replays(make_app: Callable[..., Celery], calls: Cal
 def test_task_always_eager_runs_once(make_app: Callable[..., Celery], calls: Calls) -> None:
     app = make_app(task_always_eager=True)
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def pay(order: int, amount: int) -> dict[str, Any]:
         return {"run": calls("pay"), "token": uuid.uuid4().hex}
 
@@ -116,7 +116,7 @@ def test_direct_call_runs_plainly_and_creates_no_keys(
 ) -> None:
     app = make_app()
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def pay(order: int, amount: int) -> int:
         assert current_lease() is None
         return calls("pay")
@@ -143,7 +143,9 @@ def test_direct_recursive_call_inside_the_body_runs_plainly(
     inner arguments) nor store records of its own."""
     app = make_app(idempotency_on_locked="raise", idempotency_retry_count=0)
 
-    @app.task(base=IdempotentTask, idempotency_key=strategy if strategy != "fixed" else "k")
+    @app.task(
+        shared=False, base=IdempotentTask, idempotency_key=strategy if strategy != "fixed" else "k"
+    )
     def fact(n: int) -> int:
         calls("fact")
         assert current_lease() is not None  # the outer delivery's lease, still ours
@@ -166,7 +168,7 @@ def test_eager_replay_of_a_tuple_equals_the_first_result(
     """JSON turns a tuple into a list; the first caller and the replay get the same value."""
     app = make_app(task_always_eager=True)
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def pair(a: int) -> tuple[int, int]:
         calls("pair")
         return (a, a + 1)
@@ -182,12 +184,12 @@ def test_eager_replay_of_a_tuple_equals_the_first_result(
 def test_eager_chain_and_chord(make_app: Callable[..., Celery], calls: Calls) -> None:
     app = make_app(task_always_eager=True)
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def add(x: int, y: int) -> int:
         calls(f"add{x},{y}")
         return x + y
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def total(values: list[int]) -> int:
         calls("total")
         return sum(values)
@@ -209,7 +211,7 @@ def test_eager_chain_and_chord(make_app: Callable[..., Celery], calls: Calls) ->
 def test_eager_self_retry_commits_once(make_app: Callable[..., Celery], calls: Calls) -> None:
     app = make_app(task_always_eager=True)
 
-    @app.task(base=IdempotentTask, bind=True, max_retries=3, idempotency_lock_ttl=10)
+    @app.task(shared=False, base=IdempotentTask, bind=True, max_retries=3, idempotency_lock_ttl=10)
     def flaky(self: Any, order: int) -> int:
         n = calls("flaky")
         if n <= 2:
@@ -227,7 +229,7 @@ def test_eager_self_retry_commits_once(make_app: Callable[..., Celery], calls: C
 def test_explicit_key_mismatch_in_apply(make_app: Callable[..., Celery], calls: Calls) -> None:
     app = make_app()
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def pay(order: int, amount: int) -> int:
         return calls("pay")
 
@@ -249,7 +251,7 @@ def test_failures_and_control_flow_store_nothing(
     app = make_app()
     outcome: dict[str, Any] = {}
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def step(order: int) -> int:
         n = calls("step")
         effect = outcome.get(n)
@@ -282,11 +284,11 @@ def test_on_locked_raise_and_ignore_in_apply(make_app: Callable[..., Celery], ca
     app = make_app()
     fast = {"idempotency_retry_count": 1, "idempotency_retry_base_delay": 0.01}
 
-    @app.task(base=IdempotentTask, idempotency_on_locked="raise", **fast)
+    @app.task(shared=False, base=IdempotentTask, idempotency_on_locked="raise", **fast)
     def raising(order: int) -> int:
         return calls("raising")
 
-    @app.task(base=IdempotentTask, idempotency_on_locked="ignore", **fast)
+    @app.task(shared=False, base=IdempotentTask, idempotency_on_locked="ignore", **fast)
     def ignoring(order: int) -> int:
         return calls("ignoring")
 
@@ -310,6 +312,7 @@ def test_on_locked_retry_in_apply_waits_for_the_lease(
     app = make_app()
 
     @app.task(
+        shared=False,
         base=IdempotentTask,
         max_retries=0,
         idempotency_retry_count=0,
@@ -348,6 +351,7 @@ def test_replay_and_contention_log_lines_name_the_task_and_hide_arguments(
     app = make_app()
 
     @app.task(
+        shared=False,
         base=IdempotentTask,
         idempotency_on_locked="raise",
         idempotency_retry_count=0,

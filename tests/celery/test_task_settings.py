@@ -76,7 +76,7 @@ def make_app() -> Iterator[Callable[..., Celery]]:
 
 
 def plain_task(app: Celery, **options: Any) -> Any:
-    @app.task(base=IdempotentTask, name=f"t{uuid.uuid4().hex[:8]}", **options)
+    @app.task(shared=False, base=IdempotentTask, name=f"t{uuid.uuid4().hex[:8]}", **options)
     def task(x: int = 0) -> int:
         return x
 
@@ -272,7 +272,7 @@ def test_ttl_and_lock_ttl_reach_redis(redis_app: Callable[..., Celery], redis_cl
     app = redis_app(idempotency_ttl=120)
     seen: dict[str, int] = {}
 
-    @app.task(base=IdempotentTask, idempotency_lock_ttl=4)
+    @app.task(shared=False, base=IdempotentTask, idempotency_lock_ttl=4)
     def body(x: int) -> int:
         lease = current_lease()
         assert lease is not None
@@ -318,12 +318,12 @@ def test_key_strategies(redis_app: Callable[..., Celery]) -> None:
     app = redis_app()
     runs: list[str] = []
 
-    @app.task(base=IdempotentTask, idempotency_key="order:{order_id}")
+    @app.task(shared=False, base=IdempotentTask, idempotency_key="order:{order_id}")
     def ship(order_id: int, address: str) -> str:
         runs.append(address)
         return address
 
-    @app.task(base=IdempotentTask, idempotency_key="task_id")
+    @app.task(shared=False, base=IdempotentTask, idempotency_key="task_id")
     def by_id(x: int) -> int:
         runs.append(f"id{x}")
         return x
@@ -343,7 +343,7 @@ def test_kill_switch_runs_tasks_plainly(
     app = redis_app(idempotency_enabled=False)
     runs: list[int] = []
 
-    @app.task(base=IdempotentTask)
+    @app.task(shared=False, base=IdempotentTask)
     def body(x: int) -> int:
         assert current_lease() is None
         runs.append(x)
