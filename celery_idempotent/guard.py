@@ -243,8 +243,13 @@ class DistributedIdempotencyGuard:
         *,
         input: Any = ABSENT,
         abort: Any = None,
+        fingerprint: str | None = None,
     ) -> Outcome[T]:
-        """Like :meth:`execute`, but says whether the value was replayed (an :class:`Outcome`)."""
+        """Like :meth:`execute`, but says whether the value was replayed (an :class:`Outcome`).
+
+        ``fingerprint``, when given, is used as the fingerprint of ``input`` instead of calling
+        ``fingerprint_fn`` (for a caller that has computed it already).
+        """
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
         if not key:
@@ -257,7 +262,8 @@ class DistributedIdempotencyGuard:
             raise TypeError(
                 f"abort must be a threading.Event, not {type(abort).__name__} ({abort!r})"
             )
-        fingerprint = None if input is ABSENT else self.fingerprint_fn(input)
+        if fingerprint is None and input is not ABSENT:
+            fingerprint = self.fingerprint_fn(input)
         started = self.clock()
         resource = lock_resource(self.key_prefix, key)
         rkey = record_key(self.key_prefix, key)

@@ -134,7 +134,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # call finds this one, or the copy Task.__call__ pushes of it, marked.
         setattr(request, _GUARDED, True)
         payload = self._bound_arguments(args, kwargs)
-        key = self.idempotency_key_for(args, kwargs, payload=payload)
+        fingerprint = fingerprint_payload(payload)
+        key = self.idempotency_key_for(args, kwargs, payload=payload, fingerprint=fingerprint)
         guard = self._guard(cfg)
         started: list[bool] = []
 
@@ -146,7 +147,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         try:
             while True:
                 try:
-                    outcome = guard.run(key, body, input=payload)
+                    outcome = guard.run(key, body, input=payload, fingerprint=fingerprint)
                 except LockAcquisitionError as exc:
                     self._on_locked(cfg, key, exc, args, kwargs)
                 except IdempotencyConnectionError as exc:
@@ -177,7 +178,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # result serializer; eagerly Celery hands over the object itself. Give the first
             # eager caller what its replays will get (JSON: a tuple arrives as a list).
             return self._as_delivered(outcome.value)
-        if outcome.replayed:
+        if outcome.replayed and log.isEnabledFor(logging.INFO):
             log.info(
                 "replayed stored result for %s[%s] key=%s (fencing token %s)",
                 self.name,
@@ -214,7 +215,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return resolve(self.app, self)
 
     def idempotency_key_for(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        payload: Any = None,
+        fingerprint: str | None = None,
     ) -> str:
         """The namespaced key of a call with ``args`` and ``kwargs`` in the current request."""
         headers = getattr(self.request, "headers", None) or {}
@@ -239,7 +245,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
             return f"{self.name}:key:{key}"
         if strategy == "args":
-            return f"{self.name}:args:{fingerprint_payload(payload)}"
+            return f"{self.name}:args:{fingerprint or fingerprint_payload(payload)}"
         if strategy == "task_id":
             return f"{self.name}:id:{self.request.id}"
         return f"{self.name}:key:{self._format_key(strategy, payload)}"
@@ -266,10 +272,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def _bound_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied: f(1) == f(x=1)."""
-        try:
-            signature = inspect.signature(self.run)
-        except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-            return {"args": list(args), "kwargs": dict(kwargs)}
+        cls = type(self)
+        # One signature per task class (computing it costs more than the rest of the call).
+        signature = cls.__dict__.get("_idempotency_signature")
+        if signature is None or signature[0] is not cls.run:
+            try:
+                signature = (cls.run, inspect.signature(self.run))
+            except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+                return {"args": list(args), "kwargs": dict(kwargs)}
+            cls._idempotency_signature = signature
+        signature = signature[1]
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as exc:
