@@ -72,6 +72,11 @@ class RedisIdempotencyStore:
         except Exception as exc:
             raise ValueError(f"accept names an unknown serializer: {accept!r} ({exc})") from exc
         self.serializer = serializer
+        # kombu's codec for the serializer, and its decoders by content type: encode and decode
+        # call them directly (kombu's dumps/loads add lookups and a generator-based context
+        # manager per call; the accept check they would do is done here, before decoding).
+        self._codec = registry._encoders[serializer]
+        self._decoders = registry._decoders
         if registry._encoders[serializer].content_type not in self.accept:
             raise ValueError(
                 f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
@@ -99,8 +104,10 @@ class RedisIdempotencyStore:
 
     def encode(self, key: str, record: IdempotencyRecord) -> list[Any]:
         """The values of ``RECORD_FIELDS`` for ``record``; ResultEncodeError if refused."""
+        codec = self._codec
+        content_type, encoding = codec.content_type, codec.content_encoding
         try:
-            content_type, encoding, data = _kombu().dumps(record.result, serializer=self.serializer)
+            data = codec.encoder(record.result)
         except Exception as exc:
             raise ResultEncodeError(key, record.result, f"{self.serializer}: {exc}") from exc
         return [
@@ -129,7 +136,11 @@ class RedisIdempotencyStore:
                 f"{sorted(self.accept)} does not allow; it was not loaded",
             )
         try:
-            result = _kombu().loads(data, content_type, _text(encoding), accept=self.accept)
+            decoder = self._decoders.get(content_type)
+            if decoder is not None and data:
+                result = decoder(data)
+            else:  # raw text or data, or an empty payload: kombu's rules for those
+                result = _kombu().loads(data, content_type, _text(encoding), accept=self.accept)
             fingerprint = _text(fp) or None
             fence_text = _text(fence)
             return IdempotencyRecord(
