@@ -117,8 +117,18 @@ def test_guard_fails_fast_while_redis_is_down_and_finds_its_records_and_leases_a
 @pytest.mark.worker
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "outage",
+    [
+        # a blip: redis-py's own retries (10, backing off to 1 s) and the guard's resent
+        # commits ride it out; nothing may fail, run twice or be lost
+        pytest.param(1.5, id="blip"),
+        # longer than both: claims fail and are re-queued, commits end unconfirmed
+        pytest.param(7.0, id="outage"),
+    ],
+)
 def test_worker_rides_out_an_idempotency_redis_crash_and_committed_keys_never_rerun(
-    redis_server_factory: ServerFactory,
+    redis_server_factory: ServerFactory, outage: float
 ) -> None:
     broker = redis_server_factory()
     idem = redis_server_factory(appendonly=True)
@@ -138,7 +148,7 @@ def test_worker_rides_out_an_idempotency_redis_crash_and_committed_keys_never_re
         while len(load_runs(env.marks, env.ns)) < 30 + 6:
             assert time.monotonic() < deadline, f"phase 2 did not start\n{env.logs()}"
             time.sleep(0.05)
-        downtime = crash_and_restart(idem, downtime=1.5)
+        downtime = crash_and_restart(idem, downtime=outage)
         assert not wait_ready(inflight.values(), timeout=60), env.logs()
 
         # Caught after the body ran: the commit could not be confirmed, so the delivery fails
@@ -155,7 +165,8 @@ def test_worker_rides_out_an_idempotency_redis_crash_and_committed_keys_never_re
         requeued = [text(r) for r in env.marks.lrange(f"{env.ns}retries", 0, -1)]
         assert set(requeued) <= {"IdempotencyConnectionError", "LockAcquisitionError"}, requeued
         hit = len(failed) + requeued.count("IdempotencyConnectionError")
-        assert hit >= 1, "the crash caught no task: the test did not test the outage"
+        if outage > 5:
+            assert hit >= 1, "the crash caught no task: the test did not test the outage"
 
         # --- the caller sends the failed ones again: they complete
         resent = {n: work.apply_async((n, 0.25), queue=queue) for n in failed}
@@ -181,7 +192,8 @@ def test_worker_rides_out_an_idempotency_redis_crash_and_committed_keys_never_re
         twice = {key: fences for key, fences in commits.items() if len(fences) > 1}
         assert not twice, twice
         record_figures(
-            "idempotency Redis crash (SIGKILL, AOF always, restart on the same port)",
+            f"idempotency Redis crash (SIGKILL, AOF always, restart on the same port, "
+            f"{outage:g} s down)",
             restarts=1,
             downtime_seconds=round(downtime, 1),
             deliveries=counter(env.marks, env.ns, "deliveries"),
