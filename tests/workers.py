@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from servers import pid_alive
+
 __all__ = [
     "CeleryWorker",
     "WorkerError",
@@ -64,64 +66,38 @@ class WorkerError(RuntimeError):
 # --------------------------------------------------------------------------- processes
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
+def _living_pids(field: int, value: int) -> list[int] | None:
+    """Living PIDs whose ``/proc/<pid>/stat`` field ``field`` (after the command name: 1 is
+    the parent pid, 2 the process group) equals ``value``; ``None`` without ``/proc``."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover - not Linux
+        return None
+    found: list[int] = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    # "pid (comm) S ppid ...": comm may contain spaces and parentheses, split after the last ')'
-    state = stat.rsplit(b")", 1)[1].split()[0]
-    return state not in (b"Z", b"X")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # "pid (comm) S ppid pgrp ...": comm may hold spaces and parentheses; split after ')'
+        fields = stat.rsplit(b")", 1)[1].split()
+        if int(fields[field]) == value and fields[0] not in (b"Z", b"X"):
+            found.append(int(entry))
+    return sorted(found)
 
 
 def children_of(pid: int) -> list[int]:
     """PIDs whose parent is ``pid`` (living ones only), by scanning ``/proc``."""
-    found: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover - not Linux
-        return _children_ps(pid)
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(b")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
-            found.append(int(entry))
-    return sorted(found)
+    found = _living_pids(1, pid)
+    return _children_ps(pid) if found is None else found
 
 
 def group_members(pgid: int) -> list[int]:
     """Living PIDs in process group ``pgid`` (a worker and its pool share one)."""
-    found: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover - not Linux
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(b")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            found.append(int(entry))
-    return sorted(found)
+    return _living_pids(2, pgid) or []
 
 
 def _children_ps(pid: int) -> list[int]:  # pragma: no cover - not Linux
