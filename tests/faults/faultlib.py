@@ -28,9 +28,12 @@ HERE = Path(__file__).parent
 #: figures per test, in the order the tests ran: {"worker kills": {"kills": 31, ...}, ...}
 FIGURES: dict[str, dict[str, Any]] = {}
 
-#: Slack for comparing a killed run's lease end (fence µs + lock_ttl) with the next start:
-#: the lease's PX counts from the claim's command time in ms, the fence from TIME in µs.
-LEASE_SLACK_US = 5_000
+#: Tolerance when comparing a killed run's lease end with the next run's start. The claim
+#: script sets the lock's PX first (expiry = the script's command time in whole ms + lock_ttl)
+#: and reads TIME for the fence after it, so the lease really ends at or up to a few ms
+#: *before* ``fence + lock_ttl``; a successor may legitimately start in that gap. Real
+#: overlaps (no lock, a lock released early) are hundreds of ms or seconds long.
+LEASE_TOLERANCE_US = 5_000
 
 
 def record_figures(name: str, **figures: Any) -> None:
@@ -58,11 +61,13 @@ class Run:
         A completed run commits after its end mark, so its successor claims after ``end_us``.
         A killed run's lease lasts ``lock_ttl`` from its claim, whose time is the fencing token
         (``max(last + 1, server time in µs)``): bodies here are far shorter than the renewal
-        interval, so a killed run was never renewed.
+        interval, so a killed run was never renewed. The lease's PX counts from the claim
+        script's start in whole ms, before TIME is read: the true end lies between the value
+        returned here and ``fence + lock_ttl``.
         """
         if self.end_us is not None:
             return self.end_us
-        return self.fence + round(lock_ttl * 1_000_000) + LEASE_SLACK_US
+        return self.fence + round(lock_ttl * 1_000_000) - LEASE_TOLERANCE_US
 
 
 def text(value: bytes | str) -> str:

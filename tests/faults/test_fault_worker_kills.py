@@ -193,3 +193,18 @@ def test_the_overlap_check_catches_a_run_inside_a_killed_runs_lease() -> None:
     assert overlaps({1: [after, early]}, lock_ttl=2.0) == [(after, early)]
     stale = Run(1, "e", fence=99 * second, pid=5, start_us=106 * second, end_us=107 * second)
     assert overlaps({1: [after, stale]}, lock_ttl=2.0) == [(after, stale)]
+
+
+def test_the_overlap_check_allows_a_successor_right_at_a_killed_leases_end() -> None:
+    """A lease's PX counts from its claim script's start (whole ms), the fence is TIME read
+    after it: the next holder may start a few ms before ``fence + lock_ttl`` (seen in CI:
+    4.4 ms after it, once flagged by a check that added slack the wrong way). 10 ms early is
+    still an overlap."""
+    fence = 1_796_006_038_696_323
+    killed = Run(233, "a", fence=fence, pid=1, start_us=fence + 872)
+    for gap_us in (4_420, 0, -3_000):
+        start = fence + 2_000_000 + gap_us
+        successor = Run(233, "b", fence=start - 1_191, pid=2, start_us=start)
+        assert overlaps({233: [killed, successor]}, lock_ttl=2.0) == [], gap_us
+    early = Run(233, "c", fence=fence + 1_989_000, pid=3, start_us=fence + 1_990_000)
+    assert overlaps({233: [killed, early]}, lock_ttl=2.0) == [(killed, early)]
