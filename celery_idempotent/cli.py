@@ -55,7 +55,7 @@ from celery_idempotent.exceptions import IdempotencyError, RecordDecodeError
 from celery_idempotent.keys import _HEAD as HEAD_CHARS
 from celery_idempotent.keys import MAX_READABLE_KEY, lock_resource, record_key
 from celery_idempotent.locks.redis import RedisLockProvider
-from celery_idempotent.settings import IdempotencySettings, resolve
+from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 
 if TYPE_CHECKING:
     import redis
@@ -327,6 +327,8 @@ class _UrlOverride:
     def get(self, name: str, default: Any = None) -> Any:
         if name == "idempotency_url":
             return self._url
+        if name == "idempotency_client":
+            return None
         return self._conf.get(name, default)
 
 
@@ -387,21 +389,25 @@ def connect(
         hint = " (or pass --url)" if url is None and "idempotency_url" in str(exc) else ""
         raise click.UsageError(f"{exc}{hint}") from exc
     if url is not None:
-        cfg = dataclasses.replace(cfg, idempotency_url=url)
+        cfg = dataclasses.replace(cfg, idempotency_url=url, idempotency_client=None)
     if prefix is not None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise click.BadParameter(
                 f"must be a non-empty string without braces, got {prefix!r}", param_hint="--prefix"
             )
         cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
-    backend = cfg.backend_url
-    if backend.startswith("memory://"):
+    if cfg.in_memory:
         raise click.UsageError(
             "idempotency_url is memory://: its keys live inside each worker process, where "
             "this command cannot see them (pass --url redis://...)"
         )
     try:
-        client = _redis.make_client(None, backend, "--url / idempotency_url")
+        if cfg.idempotency_client is not None:
+            client = make_client_from(cfg.idempotency_client, task_name=task_name)
+            backend = _client_label(client)
+        else:
+            backend = cfg.backend_url
+            client = _redis.make_client(None, backend, "--url / idempotency_url")
     except (TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     return Target(
@@ -413,6 +419,24 @@ def connect(
         task=task,
         quiet=quiet,
     )
+
+
+def _client_label(client: Any) -> str:
+    """Where an ``idempotency_client`` points, for the output (no password)."""
+    pool: Any = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"sentinel master {service!r} (db {pool.connection_kwargs.get('db', 0)})"
+    if getattr(client, "nodes_manager", None) is not None:  # RedisCluster
+        names = sorted(node.name for node in client.get_primaries())
+        more = ", ..." if len(names) > 3 else ""
+        return f"cluster of {len(names)} primaries ({', '.join(names[:3])}{more})"
+    kwargs = getattr(pool, "connection_kwargs", {}) or {}
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    if "host" in kwargs:
+        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return type(client).__name__
 
 
 # --------------------------------------------------------------------------- output

@@ -20,7 +20,14 @@ from typing import Any
 
 from celery_idempotent._validate import check_count, check_delay, check_duration
 
-__all__ = ["DEFAULTS", "ON_LOCKED_POLICIES", "IdempotencySettings", "clear_cache", "resolve"]
+__all__ = [
+    "DEFAULTS",
+    "ON_LOCKED_POLICIES",
+    "IdempotencySettings",
+    "clear_cache",
+    "make_client_from",
+    "resolve",
+]
 
 ON_LOCKED_POLICIES = ("retry", "raise", "ignore")
 KEY_STRATEGIES = ("args", "task_id")
@@ -34,6 +41,10 @@ class IdempotencySettings:
     #: where locks and records live: ``redis://``, ``rediss://``, ``unix://`` or ``memory://``;
     #: ``None`` here means "fall back to a Redis ``broker_url``".
     idempotency_url: str | None = None
+    #: a ready redis-py client (``redis.Redis``, a Sentinel ``master_for`` client,
+    #: ``RedisCluster``) or a callable without arguments that returns one, called once per
+    #: worker process; used instead of ``idempotency_url`` (set one of the two, not both).
+    idempotency_client: Any = None
     #: ``"args"``, ``"task_id"``, a format string over the bound arguments, or a callable
     #: ``(task, args, kwargs) -> str``.
     idempotency_key: Any = "args"
@@ -56,10 +67,18 @@ class IdempotencySettings:
 
     @property
     def backend_url(self) -> str:
-        """``idempotency_url`` after the ``broker_url`` fallback (set by :func:`resolve`)."""
-        if self.idempotency_url is None:  # pragma: no cover - resolve() always fills it
-            raise ValueError("idempotency_url is not resolved")
+        """``idempotency_url`` after the ``broker_url`` fallback (set by :func:`resolve`);
+        only meaningful when ``idempotency_client`` is not set."""
+        if self.idempotency_url is None:  # pragma: no cover - resolve() always fills one
+            raise ValueError("idempotency_url is not resolved (idempotency_client is set)")
         return self.idempotency_url
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether locks and records live in this process only (``memory://``)."""
+        return self.idempotency_client is None and (self.idempotency_url or "").startswith(
+            "memory://"
+        )
 
 
 #: Every setting with its default, in the order of the README's table.
@@ -91,20 +110,48 @@ def resolve(app: Any, task: Any) -> IdempotencySettings:
         if per_app is not None and name in per_app:
             return per_app[name]
     values: dict[str, Any] = {}
+    from_task: set[str] = set()
     conf = app.conf
     for setting, default in DEFAULTS.items():
         value = _task_option(task, setting)
         if value is _MISSING:
             value = conf.get(setting, default)
-            if value is None and setting != "idempotency_url":
+            if value is None and setting not in _NULLABLE:
                 value = default
+        else:
+            from_task.add(setting)
         values[setting] = _validate(setting, value, task_name=name)
-    if values["idempotency_url"] is None:
+    _pick_backend(values, from_task, task_name=name)
+    if values["idempotency_url"] is None and values["idempotency_client"] is None:
         values["idempotency_url"] = _broker_fallback(conf)
     resolved = IdempotencySettings(**values)
     with _cache_lock:
         _cache.setdefault(app, {})[name] = resolved
     return resolved
+
+
+#: Settings whose ``None`` means something (not "use the default").
+_NULLABLE = frozenset({"idempotency_url", "idempotency_client"})
+
+
+def _pick_backend(values: dict[str, Any], from_task: set[str], *, task_name: str) -> None:
+    """``idempotency_url`` or ``idempotency_client``: a task option beats the app's other
+    setting; both set at one level is an error naming both."""
+    url, client = values["idempotency_url"], values["idempotency_client"]
+    if url is None or client is None:
+        return
+    url_by_task = "idempotency_url" in from_task
+    client_by_task = "idempotency_client" in from_task
+    if url_by_task and not client_by_task:
+        values["idempotency_client"] = None
+    elif client_by_task and not url_by_task:
+        values["idempotency_url"] = None
+    else:
+        where = "task options" if url_by_task else "app settings"
+        raise ValueError(
+            f"idempotency_url and idempotency_client are both set in the {where} of task "
+            f"{task_name}: set one of them (the client is used instead of the URL)"
+        )
 
 
 class _Missing:
@@ -139,6 +186,13 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
                 f"got {_redact(value)!r}"
             )
         return value
+    if setting == "idempotency_client":
+        if value is None or _is_client(value) or callable(value):
+            return value
+        raise TypeError(
+            f"{where} must be a redis-py client (redis.Redis, a Sentinel master_for client, "
+            f"RedisCluster) or a callable that returns one, not {type(value).__name__}"
+        )
     if setting == "idempotency_key":
         if callable(value):
             return value
@@ -169,6 +223,26 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
             raise TypeError(f"{where} must be True or False, got {value!r}")
         return value
     raise AssertionError(setting)  # pragma: no cover
+
+
+def _is_client(value: Any) -> bool:
+    """Whether ``value`` looks like a redis-py client (what the Redis backends call on it)."""
+    return not isinstance(value, type) and callable(getattr(value, "register_script", None))
+
+
+def make_client_from(value: Any, *, task_name: str | None = None) -> Any:
+    """The client an ``idempotency_client`` setting stands for: the value itself, or what
+    the callable returns (checked, with an error naming the setting)."""
+    where = "idempotency_client" + (f" (task {task_name})" if task_name else "")
+    if _is_client(value):
+        return value
+    client = value()
+    if not _is_client(client):
+        raise TypeError(
+            f"{where} returned {type(client).__name__}, not a redis-py client (redis.Redis, "
+            "a Sentinel master_for client, RedisCluster)"
+        )
+    return client
 
 
 def _broker_fallback(conf: Any) -> str:

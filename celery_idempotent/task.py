@@ -32,7 +32,7 @@ from celery_idempotent.keys import fingerprint_payload, key_digest
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
-from celery_idempotent.settings import IdempotencySettings, resolve
+from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.stores.redis import RedisIdempotencyStore
 
@@ -68,9 +68,10 @@ _X_DEATH_HEADERS = frozenset(
 _GUARDED = "_idempotency_guarded"
 
 _backends_lock = threading.Lock()
-# (pid, url, prefix, serializer, accept) -> (lock provider, store); per process because a
-# client made before fork must not be shared with the children.
-_backends: dict[tuple[Any, ...], tuple[LockProvider, IdempotencyStore]] = {}
+# (pid, "url", url | "client", id(client), prefix, serializer, accept) -> (the client setting
+# or None, (lock provider, store)); per process because a client made before fork must not be
+# shared with the children.
+_backends: dict[tuple[Any, ...], tuple[Any, tuple[LockProvider, IdempotencyStore]]] = {}
 # (pid, id(app), task name) -> (the settings it was built from, guard). The settings object
 # is cached per app (settings.resolve), so "is" tells a stale entry: an app whose id was
 # reused after garbage collection, or settings re-read after clear_cache().
@@ -109,6 +110,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
     abstract = True
     #: Task options (same names as the settings); ``None`` means "use the app's setting".
     idempotency_url: ClassVar[str | None] = None
+    idempotency_client: ClassVar[Any] = None
     idempotency_key: ClassVar[Any] = None
     idempotency_ttl: ClassVar[Any] = None
     idempotency_lock_ttl: ClassVar[Any] = None
@@ -169,11 +171,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         finally:
             _current_guard.reset(token)
             setattr(request, _GUARDED, False)
-        if (
-            not outcome.replayed
-            and request.is_eager
-            and not cfg.backend_url.startswith("memory://")
-        ):
+        if not outcome.replayed and request.is_eager and not cfg.in_memory:
             # A worker hands the body's value to the caller, links and chains through the
             # result serializer; eagerly Celery hands over the object itself. Give the first
             # eager caller what its replays will get (JSON: a tuple arrives as a list).
@@ -393,25 +391,31 @@ class IdempotentTask(Task):  # type: ignore[misc]
         return kombu_ser.loads(data, content_type, encoding, accept=accepted)
 
     def _backends(self, cfg: IdempotencySettings) -> tuple[LockProvider, IdempotencyStore]:
-        url = cfg.backend_url
         serializer, accept = self._serialization()
-        ident = (os.getpid(), url, cfg.idempotency_key_prefix, serializer, tuple(accept))
+        source = cfg.idempotency_client
+        # A client (or its factory) is keyed by identity; the entry keeps it, so an id reused
+        # after it was garbage collected cannot pick up another client's backends.
+        where = ("client", id(source)) if source is not None else ("url", cfg.backend_url)
+        ident = (os.getpid(), *where, cfg.idempotency_key_prefix, serializer, tuple(accept))
         with _backends_lock:
             found = _backends.get(ident)
-            if found is not None:
-                return found
-            if url.startswith("memory://"):
-                pair: tuple[LockProvider, IdempotencyStore] = (
-                    MemoryLockProvider(),
-                    MemoryIdempotencyStore(),
-                )
+            if found is not None and found[0] is source:
+                return found[1]
+            if source is not None:
+                client = make_client_from(source, task_name=self.name)
+            elif cfg.in_memory:
+                client = None
             else:
-                client = make_client(None, url, "idempotency_url")
+                client = make_client(None, cfg.backend_url, "idempotency_url")
+            pair: tuple[LockProvider, IdempotencyStore]
+            if client is None:
+                pair = (MemoryLockProvider(), MemoryIdempotencyStore())
+            else:
                 pair = (
                     RedisLockProvider(client, key_prefix=cfg.idempotency_key_prefix),
                     RedisIdempotencyStore(client, serializer=serializer, accept=accept),
                 )
-            _backends[ident] = pair
+            _backends[ident] = (source, pair)
             return pair
 
     def _on_guard_event(self, event: GuardEvent) -> None:

@@ -19,9 +19,19 @@ from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cach
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 
+
+def _client_factory() -> Any:  # pragma: no cover - resolve() never calls it
+    raise AssertionError("settings are resolved without making the client")
+
+
+def _other_client_factory() -> Any:  # pragma: no cover - resolve() never calls it
+    raise AssertionError("settings are resolved without making the client")
+
+
 #: A valid value other than the default, for every setting.
 OTHER: dict[str, Any] = {
     "idempotency_url": "memory://",
+    "idempotency_client": _client_factory,
     "idempotency_key": "task_id",
     "idempotency_ttl": 60,
     "idempotency_lock_ttl": 3,
@@ -36,6 +46,8 @@ OTHER: dict[str, Any] = {
 BAD: list[tuple[str, Any, type[Exception]]] = [
     ("idempotency_url", 6379, TypeError),
     ("idempotency_url", "http://localhost:6379/0", ValueError),
+    ("idempotency_client", 42, TypeError),
+    ("idempotency_client", "redis://localhost:6379/0", TypeError),
     ("idempotency_key", 5, TypeError),
     ("idempotency_key", "", TypeError),
     ("idempotency_ttl", -1, ValueError),
@@ -114,7 +126,10 @@ def test_app_conf(make_app: Callable[..., Celery], name: str) -> None:
 @pytest.mark.parametrize("name", list(OTHER))
 def test_task_option_overrides_the_app(make_app: Callable[..., Celery], name: str) -> None:
     app = make_app(**{name: OTHER[name]})
-    value = DEFAULTS[name] if name != "idempotency_url" else "redis://127.0.0.1:6379/3"
+    value = {
+        "idempotency_url": "redis://127.0.0.1:6379/3",
+        "idempotency_client": _other_client_factory,
+    }.get(name, DEFAULTS[name])
     task = plain_task(app, **{name: value})
     untouched = plain_task(app)
 
@@ -135,7 +150,7 @@ def test_django_celery_namespace(make_app: Callable[..., Celery], name: str) -> 
     try:
         assert app.conf.get(name) == OTHER[name]  # Celery maps the namespace
         assert getattr(resolve(app, plain_task(app)), name) == OTHER[name]
-        if name != "idempotency_url":
+        if name not in ("idempotency_url", "idempotency_client"):  # a client: no fallback
             assert resolve(app, plain_task(app)).idempotency_url == "redis://127.0.0.1:6379/5"
     finally:
         app.close()

@@ -569,3 +569,58 @@ def test_celery_subprocess_large_set(
     assert json.loads(proc.stdout)["deleted"] == {"records": 3000, "locks": 0}
     assert proc.stderr.count("deleting: batch") == 3
     assert not names(redis_client, f"{key_prefix}{{")
+
+
+# --------------------------------------------------------------------------- idempotency_client
+
+
+@pytest.mark.cluster
+def test_the_client_setting_reaches_a_redis_cluster_for_inspect_stats_and_forget(
+    run_cli: Callable[..., Result], redis_cluster: Any, key_prefix: str
+) -> None:
+    """``idempotency_client`` (here a factory of a ``RedisCluster`` client) is what the command
+    talks to: records spread over the cluster's masters are inspected, counted and forgotten
+    (SCAN on every master); ``--url`` still overrides it."""
+    from cliadmin_app import make_app
+
+    made: list[Any] = []
+
+    def factory() -> Any:
+        made.append(redis_cluster.client())
+        return made[-1]
+
+    app = make_app(None, key_prefix, idempotency_client=factory)
+    try:
+        for order in range(40):
+            charge(app, order, key=None)
+        charge(app)  # the explicit key payment-42
+        cluster = made[0]
+        per_master = [
+            sum(1 for _ in node.redis_connection.scan_iter(match=f"{key_prefix}*"))
+            for node in cluster.get_primaries()
+        ]
+        assert sum(per_master) >= 41
+        assert sum(1 for n in per_master if n) >= 2, f"records on one master only: {per_master}"
+
+        doc = as_json(
+            ok(run_cli("inspect", "payment-42", "--task", "cliadmin.charge", "--json", app=app))
+        )
+        assert doc["state"] == "completed"
+        assert doc["record"]["fingerprint"] == fingerprint_payload({"order_id": 42, "amount": 999})
+        assert "cluster of 3 primaries" in ok(run_cli("stats", app=app)).stdout
+
+        stats = as_json(ok(run_cli("stats", "--json", app=app)))
+        assert stats["tasks"] == {"cliadmin.charge": {"completed": 41, "in_progress": 0}}
+
+        gone = ok(run_cli("forget", "--task", "cliadmin.charge", "--yes", app=app))
+        assert "deleted 41 record(s)" in gone.stdout
+        left = [n for n in cluster.scan_iter(match=f"{key_prefix}*") if not n.endswith(b":fence")]
+        assert left == []
+
+        # --url wins over the client setting: nothing listens there, so the command fails
+        failed = run_cli("stats", "--url", "redis://127.0.0.1:1/0", app=app)
+        assert failed.exit_code == 1
+        assert "Redis failed" in failed.stderr
+    finally:
+        for client in made:
+            client.close()

@@ -56,7 +56,26 @@ def configure(target: Celery, env: Mapping[str, str]) -> None:
     idem_url = env.get("CIDEM_IDEMPOTENCY_URL")
     if idem_url:
         conf["idempotency_url"] = idem_url
+    cluster_nodes = env.get("CIDEM_IDEMPOTENCY_CLUSTER")
+    if cluster_nodes:
+        conf["idempotency_client"] = _cluster_client_factory(cluster_nodes)
     target.conf.update(conf)
+
+
+def _cluster_client_factory(nodes: str) -> Any:
+    """An ``idempotency_client`` factory for a Redis Cluster (``host:port,host:port``) that
+    counts its calls per process in the counter Redis (``fx:client-factory`` hash)."""
+
+    def make() -> Any:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        client().hincrby(ckey("client-factory"), str(os.getpid()), 1)
+        startup = [
+            ClusterNode(h, int(p)) for h, _, p in (n.rpartition(":") for n in nodes.split(","))
+        ]
+        return RedisCluster(startup_nodes=startup, socket_timeout=5)
+
+    return make
 
 
 configure(app, os.environ)
