@@ -19,6 +19,7 @@ import time
 from typing import Any, ClassVar
 
 from celery import Task
+from celery import signals as celery_signals
 from celery.exceptions import Ignore, Retry
 
 from celery_idempotent import signals
@@ -434,3 +435,63 @@ class IdempotentTask(Task):  # type: ignore[misc]
             fencing_token=event.fencing_token,
             **extra,
         )
+
+
+# --------------------------------------------------------------------------- worker start
+
+
+def _backend_label(cfg: IdempotencySettings) -> str:
+    """Where a task's keys live, for the start-up log (no password)."""
+    from celery_idempotent._redis import _redact  # noqa: PLC0415 - a private helper
+
+    source = cfg.idempotency_client
+    if source is None:
+        return _redact(cfg.backend_url)
+    name = getattr(source, "__qualname__", None) or type(source).__name__
+    return f"idempotency_client {name}"
+
+
+def check_app_at_worker_start(app: Any) -> list[str]:
+    """Resolve the settings of every :class:`IdempotentTask` of ``app``; log one INFO line
+    (how many tasks, where their keys live) and one ERROR per misconfigured task.
+
+    Connected to Celery's ``celeryd_after_setup`` signal, so that a bad or missing setting
+    (an amqp broker and no ``idempotency_url``, a negative TTL) shows in the worker's log when
+    it starts, not first when a task fails. Returns the error messages. No client is made.
+    """
+    errors: list[str] = []
+    places: dict[str, int] = {}
+    for name in sorted(app.tasks):
+        task = app.tasks[name]
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            cfg = resolve(app, task)
+        except (TypeError, ValueError) as exc:
+            message = f"task {name} is misconfigured: {exc}; its calls fail until it is fixed"
+            log.error("celery-idempotent: %s", message)  # noqa: TRY400 - no traceback needed
+            errors.append(message)
+            continue
+        if not cfg.idempotency_enabled:
+            label = "disabled (idempotency_enabled=False)"
+        else:
+            label = _backend_label(cfg)
+        places[label] = places.get(label, 0) + 1
+    if places:
+        log.info(
+            "celery-idempotent: %d idempotent task(s): %s",
+            sum(places.values()),
+            ", ".join(f"{n} at {label}" for label, n in places.items()),
+        )
+    return errors
+
+
+def _on_worker_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is not None:
+        check_app_at_worker_start(app)
+
+
+celery_signals.celeryd_after_setup.connect(
+    _on_worker_setup, weak=False, dispatch_uid="celery_idempotent.check_app_at_worker_start"
+)

@@ -1,0 +1,91 @@
+"""At worker start, every IdempotentTask's settings are resolved: one INFO line says where the
+keys live, and a misconfigured task is reported in the log then, not at its first call."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+from celery import Celery
+from cidem_helpers import wait_for
+from workers import WorkerGroup
+
+from celery_idempotent import IdempotentTask
+from celery_idempotent.settings import clear_cache
+from celery_idempotent.task import check_app_at_worker_start
+
+
+def test_the_check_reports_each_misconfigured_task_and_sums_up_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = Celery(f"start-{uuid.uuid4().hex[:8]}", broker="amqp://guest@localhost//")
+    app.conf.update(idempotency_url="redis://:secret@127.0.0.1:6379/4")
+    try:
+
+        @app.task(base=IdempotentTask, shared=False, name="start.good")
+        def good() -> int:
+            return 1
+
+        @app.task(base=IdempotentTask, shared=False, name="start.off", idempotency_enabled=False)
+        def off() -> int:
+            return 2
+
+        @app.task(base=IdempotentTask, shared=False, name="start.bad", idempotency_ttl=-5)
+        def bad() -> int:
+            return 3
+
+        @app.task(shared=False, name="start.plain")
+        def plain() -> int:
+            return 4
+
+        app.finalize(auto=True)
+        with caplog.at_level(logging.INFO, logger="celery_idempotent"):
+            errors = check_app_at_worker_start(app)
+    finally:
+        clear_cache(app)
+        app.close()
+
+    assert len(errors) == 1
+    assert "task start.bad is misconfigured" in errors[0]
+    assert "idempotency_ttl" in errors[0]
+    records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("ERROR", f"celery-idempotent: {errors[0]}") in records
+    summary = [m for level, m in records if level == "INFO"]
+    assert summary == [
+        "celery-idempotent: 2 idempotent task(s): 1 at redis://:***@127.0.0.1:6379/4, "
+        "1 at disabled (idempotency_enabled=False)"
+    ]
+    assert "secret" not in caplog.text
+
+
+@pytest.mark.worker
+def test_a_real_worker_logs_its_idempotent_tasks_and_a_bad_setting_at_start(
+    cidem: ModuleType, worker_factory: Callable[..., WorkerGroup], tag: str
+) -> None:
+    names = [n for n, t in cidem.app.tasks.items() if isinstance(t, IdempotentTask)]
+    good = worker_factory(1, pool="solo", queues=[f"start-good-{tag}"])
+    bad = worker_factory(
+        1,
+        pool="solo",
+        queues=[f"start-bad-{tag}"],
+        env={"CIDEM_IDEMPOTENCY_URL": "http://not-redis:6379/0"},
+    )
+    try:
+        wait_for(lambda: "idempotent task(s)" in good[0].log(), what="the start-up summary")
+        line = next(ln for ln in good[0].log().splitlines() if "idempotent task(s)" in ln)
+        assert f"celery-idempotent: {len(names)} idempotent task(s): " in line
+        assert f"{len(names)} at redis://" in line, "every task's keys on the broker's Redis"
+        assert "misconfigured" not in good[0].log()
+
+        wait_for(lambda: "misconfigured" in bad[0].log(), what="the start-up error")
+        log = bad[0].log()
+        for name in names:
+            assert f"task {name} is misconfigured: idempotency_url" in log, name
+        assert "http://not-redis" in log
+        assert "ERROR" in log
+    finally:
+        good.stop()
+        bad.stop()
