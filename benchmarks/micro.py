@@ -136,6 +136,41 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
         )
     )
 
+    # The guard with both scripts answered in-process (no Redis, no redis-py): our own Python
+    # per call (key names, fingerprint, token, encoding and decoding, lease keeper, outcome),
+    # the part of "client time beyond the round trips" that is the library's.
+    def offline_guard(claim_reply: list[Any], name: str) -> DistributedIdempotencyGuard:
+        offline = DistributedIdempotencyGuard(
+            store=RedisIdempotencyStore(client),
+            lock_provider=RedisLockProvider(client),
+            key_prefix=f"{prefix}{name}:",
+        )
+        atomic: Any = offline._atomic
+        atomic._claim = lambda keys, args: claim_reply
+        atomic.store._commit = lambda keys, args: 1
+        return offline
+
+    from celery_idempotent import fingerprint_payload
+
+    stored = [2, b"1", b"application/json", b"utf-8", b'{"status": "ok"}']
+    stored += [fingerprint_payload(payload(-1)).encode(), b"1.5", b"1"]
+    py_first = offline_guard([1, 1], "pf")
+    py_dup = offline_guard(stored, "pd")
+    cases.append(
+        Case(
+            "guard_python_first",
+            "  its Python alone (scripts answered in-process), first",
+            lambda i: py_first.execute(f"charge:{i}", body, input=payload(i)),
+        )
+    )
+    cases.append(
+        Case(
+            "guard_python_duplicate",
+            "  its Python alone (scripts answered in-process), duplicate",
+            lambda i: py_dup.execute("charge:dup", body, input=payload(-1)),
+        )
+    )
+
     # -- naive: lock, GET, SET, unlock with plain redis-py -----------------------------------
     def naive(key: str) -> Any:
         lock = f"{prefix}naive:lock:{key}"

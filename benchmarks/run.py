@@ -31,6 +31,8 @@ CASES = (
     "guard_duplicate",
     "scripts_first",
     "scripts_duplicate",
+    "guard_python_first",
+    "guard_python_duplicate",
     "powertools_first",
     "powertools_duplicate",
     "naive_first",
@@ -176,14 +178,18 @@ def targets(micro: dict[str, Any] | None, e2e: dict[str, Any] | None) -> list[di
                 "×",
                 f"p50 {ours['p50_us']} / {theirs['p50_us']} µs",
             )
-        for label, case in (("first execution", g1), ("duplicate", gd)):
+        for label, case, py in (
+            ("first execution", g1, micro.get("guard_python_first")),
+            ("duplicate", gd, micro.get("guard_python_duplicate")),
+        ):
             rt = case["round_trips"]
+            ours = f"; of it our Python {py['p50_us']} µs" if py and "p50_us" in py else ""
             add(
                 f"client CPU per guarded call, {label}",
                 case["p50_us"] - rt * ping,
                 50,
                 "µs",
-                f"p50 {case['p50_us']} − {rt:g} × PING p50 {ping} µs",
+                f"p50 {case['p50_us']} − {rt:g} × PING p50 {ping} µs{ours}",
             )
     if e2e and "tasks_per_second" in e2e:
         tps = e2e["tasks_per_second"]

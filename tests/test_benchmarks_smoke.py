@@ -22,6 +22,8 @@ OURS = {
     "naive_first": 4,
     "naive_duplicate": 3,
     "redis_py_lock": 2,
+    "guard_python_first": 0,  # the scripts answered in-process: no Redis at all
+    "guard_python_duplicate": 0,
 }
 COMPETITORS = ("powertools_first", "powertools_duplicate", "celery_once")
 
