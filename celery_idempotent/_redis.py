@@ -237,6 +237,13 @@ def ms(seconds: float) -> int:
 
 _ERROR_CLASSES: tuple[tuple[type[BaseException], ...], type[BaseException]] | None = None
 
+#: Error replies that mean "this server cannot take the write now, try again": a master without
+#: enough replicas (``min-replicas-to-write``), a replica (a demoted master), a cluster or a
+#: replica link that is down, a server loading its data. Nothing was written: they are
+#: reported as :class:`IdempotencyConnectionError`, like an unreachable server, so that a
+#: delivery that had not started its body is re-queued instead of failing.
+TRANSIENT_REPLIES = ("NOREPLICAS", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "LOADING")
+
 
 def _error_classes() -> tuple[tuple[type[BaseException], ...], type[BaseException]]:
     """(connection-level errors, any other redis-py error), looked up once."""
@@ -248,12 +255,22 @@ def _error_classes() -> tuple[tuple[type[BaseException], ...], type[BaseExceptio
                 exceptions.ConnectionError,
                 exceptions.TimeoutError,
                 exceptions.AuthenticationError,
+                exceptions.ReadOnlyError,
+                exceptions.TryAgainError,
+                exceptions.ClusterDownError,
                 ConnectionError,
                 TimeoutError,
             ),
             exceptions.RedisError,
         )
     return _ERROR_CLASSES
+
+
+def is_transient_reply(exc: BaseException) -> bool:
+    """Whether a redis-py error is a transient refusal (see :data:`TRANSIENT_REPLIES`); the
+    code may follow a script error's own text, so the first words are searched."""
+    words = str(exc)[:200].replace(":", " ").split()
+    return any(word in TRANSIENT_REPLIES for word in words[:12])
 
 
 class translate_errors:
@@ -278,7 +295,9 @@ class translate_errors:
         if exc is None or isinstance(exc, IdempotencyError):
             return
         connection_errors, redis_error = _error_classes()
-        if isinstance(exc, connection_errors):
+        if isinstance(exc, connection_errors) or (
+            isinstance(exc, redis_error) and is_transient_reply(exc)
+        ):
             raise IdempotencyConnectionError(self.key, f"Redis {self.op} failed: {exc}") from exc
         if isinstance(exc, redis_error):
             raise IdempotencyBackendError(self.key, f"Redis {self.op} failed: {exc}") from exc
