@@ -60,6 +60,11 @@ class IdempotencySettings:
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
     #: (``LockAcquisitionError``) or ``"ignore"`` (Celery ``Ignore``).
     idempotency_on_locked: str = "retry"
+    #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
+    #: before it counts; 0: do not wait. For Sentinel setups, see the README.
+    idempotency_wait_replicas: int = 0
+    #: seconds ``WAIT`` may block for ``idempotency_wait_replicas``.
+    idempotency_wait_timeout: float = 1.0
     #: namespace of every Redis key.
     idempotency_key_prefix: str = "idempotency:"
     #: kill switch: ``False`` runs tasks plainly, without any guard.
@@ -204,8 +209,10 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
         return value
     if setting in ("idempotency_ttl", "idempotency_lock_ttl"):
         return check_duration(where, value)
-    if setting == "idempotency_retry_count":
+    if setting in ("idempotency_retry_count", "idempotency_wait_replicas"):
         return check_count(where, value)
+    if setting == "idempotency_wait_timeout":
+        return check_duration(where, value)
     if setting == "idempotency_retry_base_delay":
         return check_delay(where, value)
     if setting == "idempotency_on_locked":

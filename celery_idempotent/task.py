@@ -118,6 +118,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_retry_count: ClassVar[int | None] = None
     idempotency_retry_base_delay: ClassVar[Any] = None
     idempotency_on_locked: ClassVar[str | None] = None
+    idempotency_wait_replicas: ClassVar[int | None] = None
+    idempotency_wait_timeout: ClassVar[Any] = None
     idempotency_key_prefix: ClassVar[str | None] = None
     idempotency_enabled: ClassVar[bool | None] = None
 
@@ -397,7 +399,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # A client (or its factory) is keyed by identity; the entry keeps it, so an id reused
         # after it was garbage collected cannot pick up another client's backends.
         where = ("client", id(source)) if source is not None else ("url", cfg.backend_url)
-        ident = (os.getpid(), *where, cfg.idempotency_key_prefix, serializer, tuple(accept))
+        wait = (cfg.idempotency_wait_replicas, cfg.idempotency_wait_timeout)
+        ident = (os.getpid(), *where, cfg.idempotency_key_prefix, serializer, tuple(accept), wait)
         with _backends_lock:
             found = _backends.get(ident)
             if found is not None and found[0] is source:
@@ -410,11 +413,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 client = make_client(None, cfg.backend_url, "idempotency_url")
             pair: tuple[LockProvider, IdempotencyStore]
             if client is None:
+                if cfg.idempotency_wait_replicas:
+                    raise ValueError(
+                        f"idempotency_wait_replicas (task {self.name}) needs a Redis backend, "
+                        f"not memory:// (got {cfg.idempotency_wait_replicas}); use 0"
+                    )
                 pair = (MemoryLockProvider(), MemoryIdempotencyStore())
             else:
                 pair = (
                     RedisLockProvider(client, key_prefix=cfg.idempotency_key_prefix),
-                    RedisIdempotencyStore(client, serializer=serializer, accept=accept),
+                    RedisIdempotencyStore(
+                        client,
+                        serializer=serializer,
+                        accept=accept,
+                        wait_replicas=cfg.idempotency_wait_replicas,
+                        wait_timeout=cfg.idempotency_wait_timeout,
+                    ),
                 )
             _backends[ident] = (source, pair)
             return pair

@@ -8,12 +8,17 @@ is never deserialized.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_idempotent import _redis
-from celery_idempotent._validate import check_duration
-from celery_idempotent.exceptions import RecordDecodeError, ResultEncodeError
+from celery_idempotent._validate import check_count, check_duration
+from celery_idempotent.exceptions import (
+    IdempotencyConnectionError,
+    RecordDecodeError,
+    ResultEncodeError,
+)
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 
@@ -47,6 +52,15 @@ class RedisIdempotencyStore:
 
     Paired with a :class:`RedisLockProvider` on the same server (see :meth:`atomic_with`), the
     guard claims and commits in one round trip each.
+
+    ``wait_replicas`` (0: off) makes every write wait, with Redis ``WAIT``, until that many
+    replicas have it, for at most ``wait_timeout`` seconds; ``WAIT`` travels in the same
+    round trip. A claim that took the lock but did not reach them is given back and fails
+    with :class:`IdempotencyConnectionError` before the body runs; a commit that did not
+    reach them fails the same way, which the guard answers by sending the commit again until
+    it is confirmed or ``lock_ttl`` has passed (then ``CommitUnknownError``). This closes the
+    window in which a master that Sentinel has already replaced, but not yet demoted, takes a
+    claim or a commit that its demotion throws away. Not with ``RedisCluster`` clients.
     """
 
     def __init__(
@@ -56,9 +70,18 @@ class RedisIdempotencyStore:
         url: str | None = None,
         serializer: str = "json",
         accept: Iterable[str] | None = ("json",),
+        wait_replicas: int = 0,
+        wait_timeout: Any = 1.0,
     ) -> None:
         registry = _kombu().registry
         self.client = _redis.make_client(client, url, "RedisIdempotencyStore")
+        self.wait_replicas = check_count("wait_replicas", wait_replicas)
+        self.wait_timeout = check_duration("wait_timeout", wait_timeout)
+        if self.wait_replicas and getattr(self.client, "nodes_manager", None) is not None:
+            raise ValueError(
+                "RedisIdempotencyStore: wait_replicas is not supported with a RedisCluster "
+                f"client (got wait_replicas={wait_replicas!r}); use 0"
+            )
         if not isinstance(serializer, str) or serializer not in registry._encoders:
             known = ", ".join(sorted(registry._encoders))
             raise ValueError(f"serializer must be one of {known}, got {serializer!r}")
@@ -98,7 +121,47 @@ class RedisIdempotencyStore:
         self._commit = self.client.register_script(_redis.COMMIT)
 
     def __repr__(self) -> str:
-        return f"RedisIdempotencyStore(client={self.client!r}, serializer={self.serializer!r})"
+        wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
+        return (
+            f"RedisIdempotencyStore(client={self.client!r}, serializer={self.serializer!r}{wait})"
+        )
+
+    # -- replication ------------------------------------------------------------------------
+
+    def _wait_ms(self) -> int:
+        return _redis.ms(self.wait_timeout)
+
+    def check_replicated(self, key: str, acked: Any, what: str) -> None:
+        """Raise :class:`IdempotencyConnectionError` when ``acked`` (WAIT's reply) is below
+        ``wait_replicas``."""
+        if int(acked) < self.wait_replicas:
+            raise IdempotencyConnectionError(
+                key,
+                f"the {what} reached {int(acked)} of the {self.wait_replicas} replica(s) "
+                f"wait_replicas asks for within {self.wait_timeout:g}s: this master may be "
+                "about to lose it (a failover, a replica down)",
+            )
+
+    def eval_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, Any]:
+        """Run ``script`` and ``WAIT`` in one round trip: (the script's reply, WAIT's reply).
+
+        ``EVALSHA`` is sent as it is (a pipeline given the ``Script`` itself would ask
+        ``SCRIPT EXISTS`` first, a round trip more); a server that does not know the script
+        yet gets it loaded once, then the pair is sent again.
+        """
+        for attempt in (0, 1):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.wait(self.wait_replicas, self._wait_ms())
+            reply, acked = pipe.execute(raise_on_error=False)
+            if isinstance(reply, _redis.import_redis().exceptions.NoScriptError) and not attempt:
+                script.sha = self.client.script_load(script.script)
+                continue
+            for value in (reply, acked):
+                if isinstance(value, Exception):
+                    raise value
+            return reply, acked
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- encoding ---------------------------------------------------------------------------
 
@@ -175,6 +238,10 @@ class RedisIdempotencyStore:
             pipe.hset(key, mapping=dict(zip(_redis.RECORD_FIELDS, fields)))
             pipe.pexpire(key, _redis.ms(ttl))
             pipe.execute()
+            if self.wait_replicas:
+                acked = self.client.wait(self.wait_replicas, self._wait_ms())
+        if self.wait_replicas:
+            self.check_replicated(key, acked, "record")
 
     def delete(self, key: str) -> bool:
         """Delete the record under ``key``; ``True`` when there was one."""
@@ -205,17 +272,27 @@ class RedisAtomicBackend:
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
         token = _redis.new_token(self.locks.owner_id)
+        keys = [resource, self.locks.fence_key(resource), key]
+        args: list[Any] = [token, _redis.ms(ttl), _redis.ms(self.locks.fence_ttl)]
+        acked: Any = None
         with _redis.translate_errors(key, "claim"):
             try:
-                reply = self._claim(
-                    keys=[resource, self.locks.fence_key(resource), key],
-                    args=[token, _redis.ms(ttl), _redis.ms(self.locks.fence_ttl)],
-                )
+                if self.store.wait_replicas:
+                    reply, acked = self.store.eval_and_wait(self._claim, keys, args)
+                else:
+                    reply = self._claim(keys=keys, args=args)
             except UnicodeDecodeError as exc:  # only a found record carries a payload
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
         if status == 1:
-            return Claim(Lease(resource, token, int(reply[1])), None)
+            lease = Lease(resource, token, int(reply[1]))
+            if acked is not None and int(acked) < self.store.wait_replicas:
+                # Taken on a server whose replicas do not have it: give it back (a master
+                # about to be demoted would lose it anyway) before anything runs under it.
+                with contextlib.suppress(Exception):  # else it expires within ttl
+                    self.locks.release(lease)
+                self.store.check_replicated(key, acked, "claim")
+            return Claim(lease, None)
         if status == 2:
             return Claim(None, self.store.decode(key, reply[1:]))
         return Claim(None, None)
@@ -223,10 +300,12 @@ class RedisAtomicBackend:
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
         fields = self.store.encode(key, record)
+        keys = [lease.resource, key]
+        args: list[Any] = [lease.token, _redis.ms(ttl), *fields]
         with _redis.translate_errors(key, "commit"):
-            return bool(
-                self.store._commit(
-                    keys=[lease.resource, key],
-                    args=[lease.token, _redis.ms(ttl), *fields],
-                )
-            )
+            if not self.store.wait_replicas:
+                return bool(self.store._commit(keys=keys, args=args))
+            reply, acked = self.store.eval_and_wait(self.store._commit, keys, args)
+        if reply:
+            self.store.check_replicated(key, acked, "commit")
+        return bool(reply)

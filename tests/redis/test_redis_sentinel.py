@@ -22,6 +22,7 @@ from redis_support import RoundTrips, command_names, recording
 from servers import RedisSentinelGroup
 
 from celery_idempotent import (
+    CommitUnknownError,
     DistributedIdempotencyGuard,
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -335,33 +336,101 @@ def test_a_lease_held_across_a_failover_is_renewed_on_the_new_master_and_commits
     assert provider.release(later)
 
 
-def test_a_commit_in_the_window_before_the_old_master_is_demoted_is_lost(
-    redis_sentinel: RedisSentinelGroup,
-) -> None:
-    """Known limitation, pinned down. After the Sentinel has switched to the new master, a
-    client's idle pooled connection still leads to the old one (redis-py asks the Sentinel only
-    when it opens a connection), and the old master still takes writes until Sentinel demotes
-    it: 10-20 s later with Sentinel's timing. A key run in that window commits there, the
-    demotion throws the record away, and the key runs again. ``min-replicas-to-write 1``
-    closes the window (next test)."""
-    client = redis_sentinel.master_client()
-    guard = make_guard(client)
-    calls: list[bool] = []
-    guard.execute("warm-up", lambda: None)  # leaves a pooled connection to the first master
+def make_wait_guard(client: redis.Redis, **options: Any) -> DistributedIdempotencyGuard:
+    """A guard whose store makes every claim and commit reach one replica (``WAIT 1``)."""
+    options.setdefault("key_prefix", PREFIX)
+    options.setdefault("retry_base_delay", 0.001)
+    return DistributedIdempotencyGuard(
+        store=RedisIdempotencyStore(client, wait_replicas=1, wait_timeout=0.2),
+        lock_provider=RedisLockProvider(client, key_prefix=PREFIX),
+        **options,
+    )
+
+
+def test_the_window_before_the_old_master_is_demoted(redis_sentinel: RedisSentinelGroup) -> None:
+    """After the Sentinel has switched to the new master, a client's idle pooled connection
+    still leads to the old one (redis-py asks the Sentinel only when it opens a connection),
+    and the old master takes writes until Sentinel demotes it (10-20 s later with Sentinel's
+    timing). Without ``wait_replicas`` a key run in that window commits there and the
+    demotion throws the record away: the key runs a second time (the README says so). With
+    ``wait_replicas=1`` the claim on the old master reaches no replica (its replica is the new
+    master), is given back, and fails with IdempotencyConnectionError before the body runs;
+    after the demotion the key runs once, on the new master."""
+    plain = make_guard(redis_sentinel.master_client())
+    waiting = make_wait_guard(redis_sentinel.master_client())
+    plain_calls: list[bool] = []
+    waiting_calls: list[bool] = []
+    plain.execute("warm-up", lambda: None)  # pooled connections to the first master
+    waiting.execute("warm-up", lambda: None)
     old = redis_sentinel.master_address()
     new = redis_sentinel.failover(demote=False)
 
-    assert guard.execute("window", recording("v", calls)) == "v"
-    record = guard.record_key("window")
-    assert redis_sentinel.admin(old).exists(record) == 1  # committed on the old master
-    assert redis_sentinel.admin(new).exists(record) == 0
+    # Without waiting: acknowledged by the old master only.
+    assert plain.execute("plain", recording("v", plain_calls)) == "v"
+    assert redis_sentinel.admin(old).exists(plain.record_key("plain")) == 1
+    assert redis_sentinel.admin(new).exists(plain.record_key("plain")) == 0
+
+    # With wait_replicas=1: refused before the body, nothing left held on the old master.
+    for _ in range(2):
+        with pytest.raises(IdempotencyConnectionError, match="reached 0 of the 1 replica"):
+            waiting.execute("waiting", recording("w", waiting_calls))
+    assert waiting_calls == []
+    assert redis_sentinel.admin(old).exists(waiting.lock_resource("waiting")) == 0
+    assert redis_sentinel.admin(old).exists(waiting.record_key("waiting")) == 0
 
     redis_sentinel.demote(old)  # what Sentinel does by itself, later
-    assert redis_sentinel.admin(old).exists(record) == 0  # resynced from the new master
-    through_failover(lambda: guard.execute("window", recording("v", calls)))
-    if len(calls) == 2:
-        pytest.xfail("a commit acknowledged by the old master after the switch was lost")
+    assert redis_sentinel.admin(old).exists(plain.record_key("plain")) == 0  # thrown away
+
+    # The plain guard runs its key a second time: the documented limit.
+    through_failover(lambda: plain.execute("plain", recording("v", plain_calls)))
+    assert plain_calls == [True, True]
+    # The waiting guard runs its key once, on the new master, and replays it.
+    assert (
+        through_failover(lambda: waiting.execute("waiting", recording("w", waiting_calls))) == "w"
+    )
+    assert waiting.run("waiting", recording("again", waiting_calls)).replayed
+    assert waiting_calls == [True]
+    assert redis_sentinel.admin(new).exists(waiting.record_key("waiting")) == 1
+
+
+def test_wait_replicas_keeps_two_and_one_round_trips(redis_sentinel: RedisSentinelGroup) -> None:
+    """``WAIT`` is pipelined with the script: still one round trip per claim and per commit."""
+    trips = RoundTrips()
+    client = redis_sentinel.master_client(connection_class=counting_connection(trips))
+    guard = make_wait_guard(client)
+    guard.execute("warm-up", lambda: None)
+    calls: list[bool] = []
+    first, first_sends = trips.measure(lambda: guard.execute("o", recording("v", calls), input=1))
+    dup, dup_sends = trips.measure(lambda: guard.execute("o", recording("x", calls), input=1))
+    assert (first, dup) == (2, 1), (first_sends, dup_sends)
+    assert first_sends == [["EVALSHA", "WAIT"], ["EVALSHA", "WAIT"]]
+    assert dup_sends == [["EVALSHA", "WAIT"]]
     assert calls == [True]
+    # the replica has the record as soon as the commit returned
+    assert redis_sentinel.admin(redis_sentinel.replica_address()).exists(guard.record_key("o"))
+
+
+def test_a_commit_no_replica_confirms_is_sent_again_then_reported_unknown(
+    redis_sentinel: RedisSentinelGroup,
+) -> None:
+    """The replica goes away while the body runs: the commit lands on the master but WAIT
+    says no replica has it. The guard sends it again (the script answers "stored") until
+    ``lock_ttl`` has passed, then raises CommitUnknownError carrying the result."""
+    guard = make_wait_guard(redis_sentinel.master_client(), lock_ttl=1.0)
+    replica = redis_sentinel.admin(redis_sentinel.replica_address())
+
+    def body() -> str:
+        replica.execute_command("REPLICAOF", "NO", "ONE")  # detach: nothing is acked now
+        return "charged"
+
+    started = time.monotonic()
+    with pytest.raises(CommitUnknownError, match="could not be confirmed") as caught:
+        guard.execute("detached", body)
+    assert caught.value.result == "charged"
+    assert 1.0 <= time.monotonic() - started < 10
+    master = redis_sentinel.admin(redis_sentinel.master_address())
+    assert master.exists(guard.record_key("detached")) == 1  # on the master, unconfirmed
+    assert replica.exists(guard.record_key("detached")) == 0
 
 
 MIN_REPLICAS = {"extra_config": ["min-replicas-to-write 1", "min-replicas-max-lag 10"]}
