@@ -918,7 +918,9 @@ class RedisSentinelGroup:
     """A master, one replica of it and one Sentinel watching them, all private servers.
 
     The Sentinel monitors :attr:`master_name` with quorum 1, ``down-after-milliseconds``
-    ``down_after_ms`` and ``failover-timeout`` ``failover_timeout_ms``. Every process is a
+    ``down_after_ms`` (5 s: long enough that a master stalled by a loaded CI machine is not
+    failed over by itself; the tests fail over on purpose with ``SENTINEL FAILOVER``, which does
+    not wait for it) and ``failover-timeout`` ``failover_timeout_ms``. Every process is a
     :class:`RedisServer` of the same ``redis-server`` binary (:func:`find_redis_server`; a
     Sentinel is that binary run with ``--sentinel``), each on a free port in its own temp dir.
 
@@ -939,7 +941,7 @@ class RedisSentinelGroup:
         master_name: str = "idem-master",
         *,
         binary: str | None = None,
-        down_after_ms: int = 1000,
+        down_after_ms: int = 5000,
         failover_timeout_ms: int = 10_000,
         socket_timeout: float = 3.0,
         extra_config: Sequence[str] = (),
