@@ -127,6 +127,15 @@ def resolve(app: Any, task: Any) -> IdempotencySettings:
             from_task.add(setting)
         values[setting] = _validate(setting, value, task_name=name)
     _pick_backend(values, from_task, task_name=name)
+    if (
+        values["idempotency_wait_replicas"]
+        and values["idempotency_wait_timeout"] >= values["idempotency_lock_ttl"]
+    ):
+        raise ValueError(
+            f"idempotency_wait_timeout ({values['idempotency_wait_timeout']:g}s) must be shorter "
+            f"than idempotency_lock_ttl ({values['idempotency_lock_ttl']:g}s) for task {name}: "
+            "a claim that waits that long for its replicas has lost its lease"
+        )
     if values["idempotency_url"] is None and values["idempotency_client"] is None:
         values["idempotency_url"] = _broker_fallback(conf)
     resolved = IdempotencySettings(**values)

@@ -26,6 +26,7 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from celery_idempotent.settings import clear_cache
 from celery_idempotent.task import reset_backends
 
 PREFIX = "test:wait:"
@@ -181,4 +182,28 @@ def test_the_task_settings_reach_the_store_and_refuse_memory(server: RedisServer
         )
     finally:
         reset_backends()
+        app.close()
+
+
+def test_a_wait_timeout_as_long_as_the_lease_is_refused_naming_both() -> None:
+    app = Celery(f"wait-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        idempotency_url="memory://",
+        idempotency_wait_replicas=1,
+        idempotency_wait_timeout=10,
+        idempotency_lock_ttl=10,
+    )
+    try:
+
+        @app.task(base=IdempotentTask, shared=False, name="wait.long")
+        def long(order: int) -> int:
+            return order
+
+        with pytest.raises(ValueError, match=r"idempotency_wait_timeout .* idempotency_lock_ttl"):
+            long.idempotency_settings()
+        app.conf.idempotency_wait_replicas = 0  # not waiting: the timeout does not matter
+        clear_cache(app)
+        assert long.idempotency_settings().idempotency_wait_timeout == 10
+    finally:
         app.close()
