@@ -37,11 +37,13 @@ __all__ = [
     "EXTEND",
     "RECORD_FIELDS",
     "RELEASE",
+    "SentinelClientFactory",
     "default_owner_id",
     "import_redis",
     "make_client",
     "new_token",
     "same_server",
+    "sentinel_factory_from_broker",
     "translate_errors",
 ]
 
@@ -311,3 +313,101 @@ def glob_escape(text: str) -> str:
             out.append("\\")
         out.append(ch)
     return "".join(out)
+
+
+class SentinelClientFactory:
+    """Makes a ``Sentinel(...).master_for(master_name)`` client, the way kombu's Redis
+    transport does for a ``sentinel://`` broker: every ``sentinel://host:port`` of the URL is a
+    Sentinel; the database, user and password of the first apply to the master;
+    ``sentinel_kwargs`` (e.g. the Sentinels' own password) and ``min_other_sentinels`` come from
+    the transport options. Called once per worker process, like any ``idempotency_client``.
+    """
+
+    def __init__(
+        self,
+        sentinels: list[tuple[str, int]],
+        master_name: str,
+        *,
+        db: int = 0,
+        username: str | None = None,
+        password: str | None = None,
+        sentinel_kwargs: dict[str, Any] | None = None,
+        min_other_sentinels: int = 0,
+    ) -> None:
+        self.sentinels = sentinels
+        self.master_name = master_name
+        self.db = db
+        self.username = username
+        self.password = password
+        self.sentinel_kwargs = dict(sentinel_kwargs or {})
+        self.min_other_sentinels = min_other_sentinels
+
+    def __call__(self) -> Any:
+        sentinel = import_redis().sentinel.Sentinel(
+            self.sentinels,
+            min_other_sentinels=self.min_other_sentinels,
+            sentinel_kwargs=self.sentinel_kwargs or None,
+            socket_timeout=CLIENT_DEFAULTS["socket_timeout"],
+            socket_connect_timeout=CLIENT_DEFAULTS["socket_connect_timeout"],
+        )
+        return sentinel.master_for(
+            self.master_name,
+            db=self.db,
+            username=self.username,
+            password=self.password,
+            **CLIENT_DEFAULTS,
+        )
+
+    @property
+    def label(self) -> str:
+        """Where it points, without passwords."""
+        hosts = ",".join(f"{host}:{port}" for host, port in self.sentinels)
+        return f"sentinel://{hosts} master {self.master_name!r} db {self.db}"
+
+    def __repr__(self) -> str:
+        return f"SentinelClientFactory({self.label})"
+
+
+def sentinel_factory_from_broker(
+    broker_url: str, transport_options: dict[str, Any] | None
+) -> SentinelClientFactory:
+    """A :class:`SentinelClientFactory` for a kombu ``sentinel://`` broker URL (``;``-separated
+    Sentinels) and its ``broker_transport_options``; ValueError naming what is missing."""
+    from urllib.parse import unquote, urlsplit  # noqa: PLC0415 - only for Sentinel brokers
+
+    options = transport_options or {}
+    master_name = options.get("master_name")
+    if not master_name or not isinstance(master_name, str):
+        raise ValueError(
+            "broker_url is a sentinel:// URL but broker_transport_options has no 'master_name' "
+            "(kombu needs it too): set broker_transport_options = {'master_name': 'mymaster'}, "
+            "or set idempotency_client"
+        )
+    sentinels: list[tuple[str, int]] = []
+    first = None
+    for part in (p.strip() for p in broker_url.split(";")):
+        if not part:
+            continue
+        parts = urlsplit(part)
+        if parts.scheme != "sentinel":
+            raise ValueError(
+                f"broker_url mixes sentinel:// with {parts.scheme}:// URLs ({_redact(part)!r})"
+            )
+        first = first or parts
+        sentinels.append((parts.hostname or "127.0.0.1", parts.port or 26379))
+    if first is None:
+        raise ValueError(f"broker_url names no Sentinel: {_redact(broker_url)!r}")
+    path = (first.path or "/").strip("/")
+    try:
+        db = int(path) if path else 0
+    except ValueError:
+        raise ValueError(f"broker_url: database {path!r} is not a number") from None
+    return SentinelClientFactory(
+        sentinels,
+        master_name,
+        db=db,
+        username=unquote(first.username) if first.username else None,
+        password=unquote(first.password) if first.password else None,
+        sentinel_kwargs=options.get("sentinel_kwargs"),
+        min_other_sentinels=int(options.get("min_other_sentinels") or 0),
+    )

@@ -137,7 +137,8 @@ def resolve(app: Any, task: Any) -> IdempotencySettings:
             "a claim that waits that long for its replicas has lost its lease"
         )
     if values["idempotency_url"] is None and values["idempotency_client"] is None:
-        values["idempotency_url"] = _broker_fallback(conf)
+        fallback = _broker_fallback(conf)
+        values["idempotency_url" if isinstance(fallback, str) else "idempotency_client"] = fallback
     resolved = IdempotencySettings(**values)
     with _cache_lock:
         _cache.setdefault(app, {})[name] = resolved
@@ -261,7 +262,14 @@ def make_client_from(value: Any, *, task_name: str | None = None) -> Any:
     return client
 
 
-def _broker_fallback(conf: Any) -> str:
+#: One client factory per Sentinel broker configuration, shared by every task that falls back
+#: to it, so that a worker process makes one Sentinel client for them all.
+_sentinel_factories: dict[str, Any] = {}
+
+
+def _broker_fallback(conf: Any) -> Any:
+    """The Redis ``broker_url`` (a URL), or for a ``sentinel://`` broker a client factory on
+    the same Sentinel master (from ``broker_transport_options``); else a ValueError."""
     # Celery's own ``broker_url`` property: ``CELERY_BROKER_URL`` from the environment first,
     # then ``broker_url``/``broker_host`` (plain ``conf.get`` would miss the environment).
     try:
@@ -270,9 +278,20 @@ def _broker_fallback(conf: Any) -> str:
         broker = conf.get("broker_url") or conf.get("broker_host") or ""
     if isinstance(broker, (list, tuple)):
         broker = broker[0] if broker else ""
-    first = str(broker).split(";")[0].strip()
+    broker = str(broker)
+    first = broker.split(";")[0].strip()
     if first.startswith(REDIS_SCHEMES):
         return first
+    if first.startswith("sentinel://"):
+        from celery_idempotent._redis import sentinel_factory_from_broker  # noqa: PLC0415
+
+        options = conf.get("broker_transport_options") or {}
+        ident = repr((broker, sorted(options.items(), key=lambda item: str(item[0]))))
+        with _cache_lock:
+            factory = _sentinel_factories.get(ident)
+            if factory is None:
+                factory = _sentinel_factories[ident] = sentinel_factory_from_broker(broker, options)
+        return factory
     raise ValueError(
         "idempotency_url is not set and broker_url "
         f"({_redact(first) or 'unset'!r}) is not a Redis URL: set "

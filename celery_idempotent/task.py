@@ -461,6 +461,9 @@ def _backend_label(cfg: IdempotencySettings) -> str:
     source = cfg.idempotency_client
     if source is None:
         return _redact(cfg.backend_url)
+    label = getattr(source, "label", None)  # SentinelClientFactory (a Sentinel broker)
+    if isinstance(label, str):
+        return label
     name = getattr(source, "__qualname__", None) or type(source).__name__
     return f"idempotency_client {name}"
 

@@ -261,3 +261,96 @@ def test_prefork_children_each_make_their_own_cluster_client_and_run_a_key_once(
             assert redis_client.exists(record) == 0, "and not on the broker's Redis"
     finally:
         cluster.close()
+
+
+# --------------------------------------------------------------------------- Sentinel broker
+
+
+def test_a_sentinel_broker_gives_a_client_factory_like_kombus(
+    make_app: Callable[..., Celery],
+) -> None:
+    """No idempotency setting and a ``sentinel://`` broker: the keys go to the same Sentinel
+    master, built as kombu builds the broker's (Sentinels from every URL, db and password of
+    the first, master_name and sentinel_kwargs from the transport options)."""
+    app = make_app(
+        broker_url="sentinel://:s3cret@10.0.0.1:26379/3;sentinel://10.0.0.2",
+        broker_transport_options={"master_name": "orders", "sentinel_kwargs": {"password": "x"}},
+    )
+    runs: list[Any] = []
+    first, second = counting_task(app, runs), counting_task(app, runs)
+    cfg = resolve(app, first)
+    factory = cfg.idempotency_client
+    assert cfg.idempotency_url is None
+    assert factory.sentinels == [("10.0.0.1", 26379), ("10.0.0.2", 26379)]
+    assert (factory.master_name, factory.db, factory.password) == ("orders", 3, "s3cret")
+    assert factory.sentinel_kwargs == {"password": "x"}
+    assert "s3cret" not in factory.label
+    assert "s3cret" not in repr(factory)
+    assert resolve(app, second).idempotency_client is factory, "one client for all tasks"
+    client = factory()
+    try:
+        pool = client.connection_pool
+        assert pool.service_name == "orders"
+        assert pool.connection_kwargs["db"] == 3
+        assert pool.connection_kwargs["password"] == "s3cret"
+    finally:
+        client.close()
+
+
+def test_a_sentinel_broker_without_master_name_is_an_error_naming_it(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(broker_url="sentinel://10.0.0.1:26379/0")
+    runs: list[Any] = []
+    with pytest.raises(ValueError, match="broker_transport_options has no 'master_name'"):
+        resolve(app, counting_task(app, runs))
+
+
+@pytest.mark.worker
+def test_a_worker_on_a_sentinel_broker_keeps_its_keys_on_the_sentinels_master(
+    cidem: ModuleType,
+    cidem_env: dict[str, str],
+    worker_factory: Callable[..., WorkerGroup],
+    redis_sentinel: Any,
+    tag: str,
+) -> None:
+    """A real worker whose broker is kombu's Sentinel transport and that has no idempotency
+    setting at all: every key runs once, its record is on the master the Sentinel names."""
+    host, port = redis_sentinel.sentinel_hosts[0]
+    env = {
+        "CIDEM_BROKER_URL": f"sentinel://{host}:{port}/1",
+        "CIDEM_BROKER_MASTER": redis_sentinel.master_name,
+    }
+    queue = f"sentinel-{tag}"
+    group = worker_factory(1, pool="prefork", concurrency=2, queues=[queue], env=env)
+    sender = Celery("cidem_app", set_as_current=False)
+    cidem.configure(sender, {**cidem_env, **env})
+    try:
+        sent = [
+            (n, sender.send_task("cidem_app.work", (tag, n), queue=queue))
+            for n in range(5)
+            for _ in range(3)
+        ]
+        values = [(n, r.get(timeout=TIMEOUT)) for n, r in sent]
+        log = group[0].log()
+    finally:
+        group.stop()
+        sender.close()
+
+    tokens: dict[int, set[str]] = {}
+    for n, value in values:
+        assert value["x"] == n
+        tokens.setdefault(n, set()).add(value["token"])
+    assert all(len(t) == 1 for t in tokens.values()), tokens
+    assert int(cidem.client().get(cidem.ckey("work", tag)) or 0) == 5
+    assert f"at sentinel://{host}:{port} master '{redis_sentinel.master_name}' db 1" in log
+
+    master_host, master_port = redis_sentinel.master_address()
+    master = redis.Redis(host=master_host, port=master_port, db=1)
+    try:
+        for n in range(5):
+            _, record = redis_names(cidem.work, key_of(cidem.work, tag, n))
+            assert master.exists(record) == 1, "the record is on the Sentinel's master"
+            assert cidem.client().exists(record) == 0  # not on the result backend's Redis
+    finally:
+        master.close()

@@ -2,7 +2,8 @@
 
 Configured from the environment (read at import and again by :func:`configure`):
 
-- ``CIDEM_BROKER_URL``: broker (Redis or AMQP); ``CIDEM_BACKEND_URL``: result backend (Redis);
+- ``CIDEM_BROKER_URL``: broker (Redis, Sentinel with ``CIDEM_BROKER_MASTER``, or AMQP);
+  ``CIDEM_BACKEND_URL``: result backend (Redis);
   ``CIDEM_IDEMPOTENCY_URL``: ``idempotency_url`` (unset: the broker fallback).
 - ``CIDEM_PREFIX``: every Redis key of a test session starts with it (idempotency records and
   locks, the kombu broker keys, the result backend keys, the side-effect counters).
@@ -53,6 +54,11 @@ def configure(target: Celery, env: Mapping[str, str]) -> None:
     }
     if broker.startswith("redis"):
         conf["broker_transport_options"] = {"global_keyprefix": f"{prefix}kombu:"}
+    elif broker.startswith("sentinel"):  # CIDEM_BROKER_MASTER: the Sentinel's master name
+        conf["broker_transport_options"] = {
+            "global_keyprefix": f"{prefix}kombu:",
+            "master_name": env["CIDEM_BROKER_MASTER"],
+        }
     idem_url = env.get("CIDEM_IDEMPOTENCY_URL")
     if idem_url:
         conf["idempotency_url"] = idem_url
