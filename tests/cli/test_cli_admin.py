@@ -624,3 +624,33 @@ def test_the_client_setting_reaches_a_redis_cluster_for_inspect_stats_and_forget
     finally:
         for client in made:
             client.close()
+
+
+def test_a_sentinel_broker_is_followed_to_its_master(
+    run_cli: Callable[..., Result], redis_sentinel: Any, key_prefix: str
+) -> None:
+    """No idempotency setting, a ``sentinel://`` broker: the command finds the records on the
+    master the Sentinel names (the same fallback the tasks use)."""
+    from cliadmin_app import make_app
+
+    host, port = redis_sentinel.sentinel_hosts[0]
+    app = make_app(
+        None,
+        key_prefix,
+        broker_url=f"sentinel://{host}:{port}/2",
+        broker_transport_options={"master_name": redis_sentinel.master_name},
+    )
+    for order in range(3):
+        charge(app, order, key=None)
+    stats = ok(run_cli("stats", app=app))
+    assert f"sentinel master '{redis_sentinel.master_name}' (db 2)" in stats.stdout
+    doc = as_json(ok(run_cli("stats", "--json", app=app)))
+    assert doc["tasks"] == {"cliadmin.charge": {"completed": 3, "in_progress": 0}}
+    import redis as redis_module
+
+    host, port = redis_sentinel.master_address()
+    master = redis_module.Redis(host=host, port=port, db=2)
+    try:
+        assert len(list(master.scan_iter(match=f"{key_prefix}*"))) >= 3
+    finally:
+        master.close()
