@@ -752,6 +752,12 @@ def _print_key(
     "deleting it lets a duplicate run the body at the same time.",
 )
 @click.option(
+    "--include-fences",
+    is_flag=True,
+    help="Also delete the fence keys (the last fencing token of each key, kept 7 days; they "
+    "name the key). Safe: a new token is never below the server's clock in µs.",
+)
+@click.option(
     "--batch-size",
     type=click.IntRange(1, 100_000),
     default=DEFAULT_BATCH,
@@ -773,6 +779,7 @@ def forget(
     dry_run: bool,
     yes: bool,
     force: bool,
+    include_fences: bool,
     batch_size: int,
     url: str | None,
     prefix: str | None,
@@ -781,8 +788,9 @@ def forget(
     """Delete one key's record, or every key of a task (--task NAME without KEY).
 
     The next delivery of a forgotten key runs the body again. Held locks (a body running now)
-    are kept unless --force. Fence keys are kept: they expire by themselves and keep fencing
-    tokens increasing.
+    are kept unless --force. Fence keys are kept unless --include-fences: they expire by
+    themselves, and fencing tokens keep increasing without them (a token is never below the
+    server's time in µs).
     """
     if all(v is None for v in (key, task_id, args_json, kwargs_json)) and not raw:
         if task_name is None:
@@ -795,6 +803,7 @@ def forget(
             dry_run=dry_run,
             yes=yes,
             force=force,
+            include_fences=include_fences,
             batch_size=batch_size,
             as_json=as_json,
         )
@@ -809,7 +818,16 @@ def forget(
         args_json=args_json,
         kwargs_json=kwargs_json,
     )
-    _forget_one(ctx, target, nkey, dry_run=dry_run, yes=yes, force=force, as_json=as_json)
+    _forget_one(
+        ctx,
+        target,
+        nkey,
+        dry_run=dry_run,
+        yes=yes,
+        force=force,
+        include_fences=include_fences,
+        as_json=as_json,
+    )
 
 
 def _held_lock_reason(info: KeyInfo) -> str:
@@ -830,6 +848,7 @@ def _forget_one(
     dry_run: bool,
     yes: bool,
     force: bool,
+    include_fences: bool,
     as_json: bool,
 ) -> None:
     info = read_key(target.client, target.prefix, nkey)
@@ -854,6 +873,8 @@ def _forget_one(
                 click.echo(f"refused: {doc['refused']}", err=True)
             ctx.exit(1)
         plan.append(info.lock_name)
+    if include_fences and info.last_fence is not None:
+        plan.append(info.fence_name)
     if not plan:
         if as_json:
             _emit_json(doc)
@@ -887,6 +908,8 @@ def _forget_one(
             deleted.append(info.lock_name)
         else:
             doc["lock_changed"] = True
+    if include_fences and info.last_fence is not None and target.client.delete(info.fence_name):
+        deleted.append(info.fence_name)
     doc["deleted"] = deleted
     if as_json:
         _emit_json(doc)
@@ -905,6 +928,7 @@ class _Scan:
 
     records: int = 0
     locks: int = 0
+    fences: int = 0
     #: Names under the prefix that are not records, locks or fences.
     other: int = 0
     #: Shortened names that may belong to the task but cannot be told apart.
@@ -914,14 +938,20 @@ class _Scan:
 
 
 def _names(
-    target: Target, task: str | None, batch_size: int, scan: _Scan
+    target: Target,
+    task: str | None,
+    batch_size: int,
+    scan: _Scan,
+    *,
+    fences: bool = False,
 ) -> Iterator[tuple[str, str, bytes]]:
-    """``(kind, task, raw name)`` of every record and lock under the prefix, or of ``task``'s
-    only: SCAN in batches (see :func:`_scan_pattern`), each name then checked exactly.
+    """``(kind, task, raw name)`` of every record and lock (and fence, with ``fences``)
+    under the prefix, or of ``task``'s only: SCAN in batches (see :func:`_scan_pattern`),
+    each name then checked exactly.
 
-    ``kind`` is ``"record"`` or ``"lock"``; the task is ``"(shortened)"`` for a shortened
-    key whose head ends before its kind marker, ``"(no task)"`` for a key that is not
-    task-namespaced (a guard used directly).
+    ``kind`` is ``"record"``, ``"lock"`` or ``"fence"``; the task is ``"(shortened)"`` for a
+    shortened key whose head ends before its kind marker, ``"(no task)"`` for a key that is
+    not task-namespaced (a guard used directly).
     """
     tagged = None if task is None else _tagged_task(task)
     pattern = _scan_pattern(target.prefix, task)
@@ -932,7 +962,7 @@ def _names(
             scan.other += 1
             continue
         kind, slot = parsed
-        if kind == "fence":
+        if kind == "fence" and not fences:
             continue
         owner = task_of_slot(slot)
         shortened = SHORTENED_MARK in slot
@@ -955,6 +985,7 @@ def _forget_task(
     dry_run: bool,
     yes: bool,
     force: bool,
+    include_fences: bool,
     batch_size: int,
     as_json: bool,
 ) -> None:
@@ -973,14 +1004,16 @@ def _forget_task(
         "dry_run": dry_run,
     }
     if dry_run or not yes:
-        found = _count_task(target, task, batch_size, force)
+        found = _count_task(target, task, batch_size, force, include_fences)
         doc.update(
             records=found.records,
             held_locks=found.locks,
             unattributed=found.unattributed,
             sample=found.sample,
         )
-        to_delete = found.records + (found.locks if force else 0)
+        if include_fences:
+            doc["fences"] = found.fences
+        to_delete = found.records + (found.locks if force else 0) + found.fences
         kept = (
             ""
             if force or not found.locks
@@ -988,7 +1021,10 @@ def _forget_task(
                 f"; {found.locks} held lock(s) (bodies running now) are kept, --force deletes them"
             )
         )
-        summary = f"{found.records} record(s) and {found.locks} held lock(s) of {where}{kept}"
+        fenced = f", {found.fences} fence(s)" if include_fences else ""
+        summary = (
+            f"{found.records} record(s){fenced} and {found.locks} held lock(s) of {where}{kept}"
+        )
         if dry_run:
             if as_json:
                 _emit_json(doc)
@@ -1002,7 +1038,7 @@ def _forget_task(
             return
         if to_delete == 0:
             if as_json:
-                doc.update(deleted={"records": 0, "locks": 0})
+                doc.update(deleted=_deleted_doc(_Scan(), include_fences))
                 _emit_json(doc)
             else:
                 click.echo(f"nothing to forget: {summary}")
@@ -1010,17 +1046,25 @@ def _forget_task(
         click.confirm(
             f"Forget {summary}? Their next deliveries run the body again", abort=True, err=True
         )
-    done = _delete_task(target, task, batch_size, force)
+    done = _delete_task(target, task, batch_size, force, include_fences)
     doc.update(
-        deleted={"records": done.records, "locks": done.locks},
+        deleted=_deleted_doc(done, include_fences),
         unattributed=done.unattributed,
         scanned=done.scanned,
     )
     if as_json:
         _emit_json(doc)
         return
-    click.echo(f"deleted {done.records} record(s) and {done.locks} lock(s) of {where}")
+    fenced = f", {done.fences} fence(s)" if include_fences else ""
+    click.echo(f"deleted {done.records} record(s){fenced} and {done.locks} lock(s) of {where}")
     _note_unattributed(done)
+
+
+def _deleted_doc(done: _Scan, include_fences: bool) -> dict[str, int]:
+    deleted = {"records": done.records, "locks": done.locks}
+    if include_fences:
+        deleted["fences"] = done.fences
+    return deleted
 
 
 def _note_unattributed(found: _Scan) -> None:
@@ -1032,13 +1076,19 @@ def _note_unattributed(found: _Scan) -> None:
         )
 
 
-def _count_task(target: Target, task: str, batch_size: int, force: bool) -> _Scan:
-    """Count a task's records and held locks (SCAN may count a key twice while Redis
-    resizes its table; the deletion that follows counts exactly)."""
+def _count_task(
+    target: Target, task: str, batch_size: int, force: bool, fences: bool = False
+) -> _Scan:
+    """Count a task's records and held locks (and fences); SCAN may count a key twice while
+    Redis resizes its table; the deletion that follows counts exactly."""
     found = _Scan()
-    for matched, (kind, _, raw) in enumerate(_names(target, task, batch_size, found), 1):
+    names = _names(target, task, batch_size, found, fences=fences)
+    for matched, (kind, _, raw) in enumerate(names, 1):
         if kind == "record":
             found.records += 1
+        elif kind == "fence":
+            found.fences += 1
+            continue  # not sampled: a fence is not what a user forgets
         else:
             found.locks += 1
         if len(found.sample) < SAMPLE and (force or kind == "record"):
@@ -1048,8 +1098,11 @@ def _count_task(target: Target, task: str, batch_size: int, force: bool) -> _Sca
     return found
 
 
-def _delete_task(target: Target, task: str, batch_size: int, force: bool) -> _Scan:
-    """Delete a task's records (and, with ``force``, its held locks) in pipelined batches."""
+def _delete_task(
+    target: Target, task: str, batch_size: int, force: bool, fences: bool = False
+) -> _Scan:
+    """Delete a task's records (with ``force`` its held locks, with ``fences`` its fences)
+    in pipelined batches."""
     done = _Scan()
     batch: list[tuple[str, bytes]] = []
     batches = 0
@@ -1063,12 +1116,14 @@ def _delete_task(target: Target, task: str, batch_size: int, force: bool) -> _Sc
         for (kind, _), gone in zip(batch, pipe.execute()):
             if gone and kind == "record":
                 done.records += 1
+            elif gone and kind == "fence":
+                done.fences += 1
             elif gone:
                 done.locks += 1
         batch.clear()
         batches += 1
 
-    for kind, _, raw in _names(target, task, batch_size, done):
+    for kind, _, raw in _names(target, task, batch_size, done, fences=fences):
         if kind == "lock" and not force:
             continue
         batch.append((kind, raw))
@@ -1076,8 +1131,8 @@ def _delete_task(target: Target, task: str, batch_size: int, force: bool) -> _Sc
             flush()
             _progress(
                 target,
-                f"deleting: batch {batches}, {done.records + done.locks} key(s) deleted "
-                f"({done.scanned} scanned)",
+                f"deleting: batch {batches}, {done.records + done.locks + done.fences} "
+                f"key(s) deleted ({done.scanned} scanned)",
             )
     if batch:
         flush()

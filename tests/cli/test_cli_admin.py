@@ -654,3 +654,60 @@ def test_a_sentinel_broker_is_followed_to_its_master(
         assert len(list(master.scan_iter(match=f"{key_prefix}*"))) >= 3
     finally:
         master.close()
+
+
+def test_forget_include_fences_for_one_key_and_tokens_still_increase(
+    cli_app: Celery, run_cli: Callable[..., Result], redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A fence names its key (a customer id, say) for 7 days; --include-fences deletes it too,
+    and the key's next fencing token is still higher: tokens are floored by server time."""
+    charge(cli_app)
+    key = "cliadmin.charge:key:payment-42"
+    rname = record_key(key_prefix, key)
+    fence_name = lock_resource(key_prefix, key) + ":fence"
+    first_fence = int(redis_client.hget(rname, "fence"))
+    args = ("forget", "payment-42", "--task", "cliadmin.charge", "--include-fences")
+
+    dry = as_json(ok(run_cli(*args, "--dry-run", "--json")))
+    assert dry["would_delete"] == [rname, fence_name]
+    doc = as_json(ok(run_cli(*args, "--yes", "--json")))
+    assert doc["deleted"] == [rname, fence_name]
+    assert not redis_client.exists(rname)
+    assert not redis_client.exists(fence_name)
+
+    charge(cli_app)  # runs again: its token is above the forgotten one all the same
+    assert int(redis_client.hget(rname, "fence")) > first_fence
+
+
+def test_forget_a_task_include_fences_keeps_other_tasks_fences(
+    cli_app: Celery,
+    run_cli: Callable[..., Result],
+    guard: DistributedIdempotencyGuard,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    fill(cli_app, guard, 5)
+    cli_app.tasks["cliadmin.ship"].apply((5, "Main St")).get()
+    other_fence = lock_resource(key_prefix, "cliadmin.ship:key:order:5") + ":fence"
+    fences = [n for n in names(redis_client, key_prefix) if n.endswith(":fence")]
+    charge_fences = [n for n in fences if "{cliadmin.charge:" in n]
+    assert len(charge_fences) == 5
+    assert other_fence in fences
+
+    dry = as_json(ok(run_cli("forget", "--task", "cliadmin.charge", "--dry-run", "--json")))
+    assert "fences" not in dry  # only counted when asked for
+    dry = as_json(
+        ok(
+            run_cli(
+                "forget", "--task", "cliadmin.charge", "--include-fences", "--dry-run", "--json"
+            )
+        )
+    )
+    assert (dry["records"], dry["fences"]) == (5, 5)
+
+    out = ok(run_cli("forget", "--task", "cliadmin.charge", "--include-fences", "--yes"))
+    assert "deleted 5 record(s), 5 fence(s) and 0 lock(s) of task cliadmin.charge" in out.stdout
+    left = names(redis_client, key_prefix)
+    assert not [n for n in left if "{cliadmin.charge:" in n]
+    assert other_fence in left
+    assert record_key(key_prefix, "cliadmin.ship:key:order:5") in left
