@@ -276,8 +276,8 @@ def _broker_fallback(conf: Any) -> Any:
         broker = conf.broker_url or ""
     except AttributeError:
         broker = conf.get("broker_url") or conf.get("broker_host") or ""
-    if isinstance(broker, (list, tuple)):
-        broker = broker[0] if broker else ""
+    if isinstance(broker, (list, tuple)):  # failover URLs, as ';' in a string
+        broker = ";".join(str(url) for url in broker)
     broker = str(broker)
     first = broker.split(";")[0].strip()
     if first.startswith(REDIS_SCHEMES):

@@ -297,6 +297,19 @@ def test_a_sentinel_broker_gives_a_client_factory_like_kombus(
         client.close()
 
 
+def test_a_sentinel_broker_given_as_a_list_names_every_sentinel(
+    make_app: Callable[..., Celery],
+) -> None:
+    app = make_app(
+        broker_url=["sentinel://10.0.0.1:26379/1", "sentinel://10.0.0.2:26380/1"],
+        broker_transport_options={"master_name": "orders"},
+    )
+    runs: list[Any] = []
+    factory = resolve(app, counting_task(app, runs)).idempotency_client
+    assert factory.sentinels == [("10.0.0.1", 26379), ("10.0.0.2", 26380)]
+    assert factory.db == 1
+
+
 def test_a_sentinel_broker_without_master_name_is_an_error_naming_it(
     make_app: Callable[..., Celery],
 ) -> None:
