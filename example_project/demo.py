@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -805,6 +806,8 @@ class Demo:
                 self._delete_keys()
             except Exception as exc:  # the report matters more; say what is left
                 self.console.info(f"warning: could not delete this run's keys: {exc!r}")
+        if self.app is not None:
+            self._forget_pending_results()
         if self.redis is not None:
             self.redis.stop()
         if self.app is not None:
@@ -826,6 +829,19 @@ class Demo:
             "workdir": str(self.workdir) if self.workdir else None,
             "workdir_removed": self.workdir is None or not self.workdir.exists(),
         }
+
+    def _forget_pending_results(self) -> None:
+        """Let go of the results the backend still tracks, while Redis is up.
+
+        A result unsubscribes from its Redis channel when it is collected. Celery before 5.6
+        retries that forever once Redis has gone, so results collected at interpreter exit,
+        after the embedded Redis stopped, would keep the process from exiting.
+        """
+        pending = getattr(self.app.backend, "_pending_results", None)
+        with contextlib.suppress(Exception):
+            for mapping in pending or ():
+                mapping.clear()
+        gc.collect()
 
     def _delete_keys(self) -> None:
         """On a Redis that is not ours: delete this run's keys, results and queue."""

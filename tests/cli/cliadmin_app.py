@@ -14,7 +14,14 @@ import warnings
 from typing import Any
 
 from celery import Celery
-from celery.exceptions import DuplicateTaskNameWarning
+
+try:
+    from celery.exceptions import DuplicateTaskNameWarning
+except ImportError:  # celery < 5.4 does not warn about duplicate task names
+
+    class DuplicateTaskNameWarning(UserWarning):  # type: ignore[no-redef]
+        """Stands in for the warning that older Celery versions do not have."""
+
 
 from celery_idempotent import IdempotentTask
 

@@ -26,7 +26,14 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.exceptions import DuplicateTaskNameWarning
+
+try:
+    from celery.exceptions import DuplicateTaskNameWarning
+except ImportError:  # celery < 5.4 does not warn about duplicate task names
+
+    class DuplicateTaskNameWarning(UserWarning):  # type: ignore[no-redef]
+        """Stands in for the warning that older Celery versions do not have."""
+
 
 from celery_idempotent import IdempotentTask, current_lease
 from celery_idempotent import signals as idem_signals
