@@ -35,8 +35,10 @@ __all__ = [
     "CLAIM",
     "COMMIT",
     "EXTEND",
+    "READ_KEY",
     "RECORD_FIELDS",
     "RELEASE",
+    "SET_RECORD",
     "SentinelClientFactory",
     "default_owner_id",
     "import_redis",
@@ -130,6 +132,26 @@ redis.call('hset', KEYS[2], 'v', ARGV[3], 'ct', ARGV[4], 'enc', ARGV[5], 'data',
 redis.call('pexpire', KEYS[2], ARGV[2])
 redis.call('del', KEYS[1])
 return 1
+"""
+
+# KEYS[1] record   ARGV[1] record ttl ms  ARGV[2..8] RECORD_FIELDS
+# Replace the record (the store used on its own, without the lock in the same script); one
+# script rather than MULTI/EXEC, which RedisCluster clients only support from redis-py 6.1.
+SET_RECORD = """
+redis.call('del', KEYS[1])
+redis.call('hset', KEYS[1], 'v', ARGV[2], 'ct', ARGV[3], 'enc', ARGV[4], 'data', ARGV[5],
+           'fp', ARGV[6], 'at', ARGV[7], 'fence', ARGV[8])
+redis.call('pexpire', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV: the record's fields to read
+# -> {field values, payload size, record pttl, lock holder, lock pttl, last fence, fence pttl}
+# One consistent view of a key for the admin command (absent values are nil).
+READ_KEY = """
+return {redis.call('hmget', KEYS[1], unpack(ARGV)), redis.call('hstrlen', KEYS[1], 'data'),
+        redis.call('pttl', KEYS[1]), redis.call('get', KEYS[2]), redis.call('pttl', KEYS[2]),
+        redis.call('get', KEYS[3]), redis.call('pttl', KEYS[3])}
 """
 
 # KEYS[1] lock   ARGV[1] token  ARGV[2] lease ms

@@ -191,7 +191,7 @@ def format_duration(seconds: float | None) -> str:
 
 @dataclass
 class KeyInfo:
-    """What Redis holds for one idempotency key, read in one round trip (MULTI/EXEC).
+    """What Redis holds for one idempotency key, read in one round trip (one script).
 
     ``state`` is ``"completed"`` (a record exists), ``"in_progress"`` (no record, the lock is
     held) or ``"absent"``. The payload is not read unless asked for (``values``); ``size``
@@ -264,22 +264,16 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     """Read the record (without its payload unless ``with_data``), lock and fence of ``key``.
 
     ``key`` is the namespaced key (``<task>:key:payment-42``); the names are derived as the
-    guard derives them. One MULTI/EXEC: the three names share a hash slot, so this also works
-    on a Redis Cluster client, and the view is consistent.
+    guard derives them. One script (``READ_KEY``): the three names share a hash slot, so this
+    also works on a Redis Cluster client (with any redis-py), and the view is consistent.
     """
     rname = record_key(prefix, key)
     lname = lock_resource(prefix, key)
     fname = RedisLockProvider.fence_key(lname)
     fields = list(META_FIELDS) + (["data"] if with_data else [])
-    pipe = client.pipeline(transaction=True)
-    pipe.hmget(rname, fields)
-    pipe.hstrlen(rname, "data")
-    pipe.pttl(rname)
-    pipe.get(lname)
-    pipe.pttl(lname)
-    pipe.get(fname)
-    pipe.pttl(fname)
-    values, size, rttl, token, lttl, fence, fttl = pipe.execute()
+    read = client.register_script(_redis.READ_KEY)
+    reply = read(keys=[rname, lname, fname], args=fields)
+    values, size, rttl, token, lttl, fence, fttl = reply
     record: dict[str, Any] | None = None
     meta = dict(zip(fields, values))
     if any(v is not None for v in values):

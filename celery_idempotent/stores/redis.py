@@ -119,6 +119,7 @@ class RedisIdempotencyStore:
                     f"{', '.join(binary)}; pass a client with decode_responses=False"
                 )
         self._commit = self.client.register_script(_redis.COMMIT)
+        self._set = self.client.register_script(_redis.SET_RECORD)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -232,16 +233,13 @@ class RedisIdempotencyStore:
         """Replace the record under ``key``, for ``ttl`` seconds, atomically (one round trip)."""
         ttl = check_duration("ttl", ttl)
         fields = self.encode(key, record)
+        args: list[Any] = [_redis.ms(ttl), *fields]
         with _redis.translate_errors(key, "store set"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(key)
-            pipe.hset(key, mapping=dict(zip(_redis.RECORD_FIELDS, fields)))
-            pipe.pexpire(key, _redis.ms(ttl))
-            pipe.execute()
-            if self.wait_replicas:
-                acked = self.client.wait(self.wait_replicas, self._wait_ms())
-        if self.wait_replicas:
-            self.check_replicated(key, acked, "record")
+            if not self.wait_replicas:
+                self._set(keys=[key], args=args)
+                return
+            _, acked = self.eval_and_wait(self._set, [key], args)
+        self.check_replicated(key, acked, "record")
 
     def delete(self, key: str) -> bool:
         """Delete the record under ``key``; ``True`` when there was one."""
