@@ -128,6 +128,9 @@ def make_app(
         result_expires=3600,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
+        # A result collected after its test's private Redis stopped unsubscribes on the way
+        # out; Celery before 5.6 retries that 20 times a second apart, per result.
+        result_backend_transport_options={"retry_policy": {"max_retries": 1}},
         worker_hijack_root_logger=False,
         idempotency_url=idem_url,
         idempotency_key_prefix=prefix,
