@@ -30,6 +30,7 @@ from celery_idempotent.exceptions import (
 )
 from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, current_lease
 from celery_idempotent.keys import fingerprint_payload, key_digest
+from celery_idempotent.keyspace import task_key
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
@@ -233,7 +234,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise TypeError(
                     f"the {KEY_HEADER!r} header must be a non-empty str, got {explicit!r}"
                 )
-            return f"{self.name}:key:{explicit}"
+            return task_key(self.name, "key", explicit)
         strategy = self.idempotency_settings().idempotency_key
         if payload is None:
             payload = self._bound_arguments(args, kwargs)
@@ -244,12 +245,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"idempotency_key callable of task {self.name} must return a non-empty "
                     f"str, returned {type(key).__name__}"
                 )
-            return f"{self.name}:key:{key}"
+            return task_key(self.name, "key", key)
         if strategy == "args":
-            return f"{self.name}:args:{fingerprint or fingerprint_payload(payload)}"
+            return task_key(self.name, "args", fingerprint or fingerprint_payload(payload))
         if strategy == "task_id":
-            return f"{self.name}:id:{self.request.id}"
-        return f"{self.name}:key:{self._format_key(strategy, payload)}"
+            return task_key(self.name, "id", str(self.request.id))
+        return task_key(self.name, "key", self._format_key(strategy, payload))
 
     def _format_key(self, template: str, payload: dict[str, Any]) -> str:
         names = {
