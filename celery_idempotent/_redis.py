@@ -64,10 +64,9 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 # why fencing tokens increase without a long-lived fence key). Lua numbers are doubles: a token
 # in µs since 1970 (about 1.8e15) is exact below 2**53.
 
-# Sets n to the server's time in µs. TIME makes a script non-deterministic: effects
-# replication (the default from Redis 7, asked for explicitly before) replicates the writes.
+# Sets now to the server's time in µs. TIME makes a script non-deterministic, which effects
+# replication (Redis's default since 5.0) handles: the writes are replicated, not the script.
 _NOW = """
-if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('time')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 """
