@@ -86,6 +86,7 @@ def _merge(a, b):  # type: ignore[no-untyped-def]
     a.unfinished += b.unfinished
     a.late_starts += b.late_starts
     a.excused_fences += b.excused_fences
+    a.reruns_after_loss += b.reruns_after_loss
     a.failures += b.failures
     a.seconds += b.seconds
     return a

@@ -286,10 +286,16 @@ def make_guard(
     client: Any,
     cfg: GuardConfig,
     keeper: SimKeeper,
+    store_client: Any = None,
 ) -> DistributedIdempotencyGuard:
-    """A real guard on the real Redis backends over ``client``, renewing through ``keeper``."""
+    """A real guard on the real Redis backends over ``client``, renewing through ``keeper``.
+
+    With a ``store_client`` of its own, the store does not share the lock provider's client,
+    so the guard takes its two-step path (lock, then store), as it does for backends on two
+    servers, or clients it cannot tell are one server.
+    """
     locks = RedisLockProvider(client, owner_id=proc.name, fence_ttl=cfg.fence_ttl)
-    store = RedisIdempotencyStore(client)
+    store = RedisIdempotencyStore(store_client or client)
     namespace = _RenewalNamespace(keeper)
 
     class SimGuard(DistributedIdempotencyGuard):

@@ -23,8 +23,9 @@ Invariants (``Violation.rule``):
   last token is left (its fence key expired after ``fence_ttl``, or a restart lost it) *and*
   the server's clock stepped back since that token was granted, the next token is floored
   by the clock alone and may be lower; the checker excuses exactly that combination.
-- ``rerun``: a lease is never granted on a key whose record is live (a completed key never
-  runs again); with persistence this holds across restarts.
+- ``rerun``: a claim never takes the lease of a key whose record is live, and no body starts
+  under a live lease while its key's record is live (a completed key never runs again); with
+  persistence this holds across restarts.
 - ``replay``: a replayed value is the value of a record of that key that was live during
   the call.
 - ``failed-body``: a failed body stores nothing, and its exception reaches the caller.
@@ -91,6 +92,7 @@ class KeyState:
     clock_went_back: bool = False
     lost_since_max: bool = False  # no key carried the highest token at some point since
     back_since_max: bool = False  # the server clock stepped back since then
+    record_lost: bool = False  # a restart lost the key's record (it may run again)
     records: list[RecordLife] = field(default_factory=list)
     expired_stamps: set[int | None] = field(default_factory=set)
 
@@ -117,6 +119,7 @@ class Checker:
         self.commit_sent: set[str] = set()
         self.late_starts = 0
         self.excused_fences = 0
+        self.reruns_after_loss = 0
         self.committed_values: dict[Any, str] = {}  # value -> token of the commit
         self.checks = 0
         self.now = 0.0
@@ -195,6 +198,11 @@ class Checker:
             # lease, so it is outside "at most one body holding a valid lease"; its commit
             # must be refused (stale-commit) like any lapsed holder's.
             self.late_starts += 1
+        if live and view.record_stamp is not None:
+            raise self.violated(
+                "rerun",
+                f"{proc} starts a body of {key} although its record {view.record_value!r} is live",
+            )
         for other in self.bodies[key] if live else ():
             if other.state != "running":
                 continue
@@ -326,12 +334,20 @@ class Checker:
                 lease.ended = None
                 return
             raise self.violated("lease-end", f"a lease on {key} appeared without a request")
-        if old.record_stamp is not None and new.record_stamp == old.record_stamp:
+        if (
+            role == "claim"
+            and old.record_stamp is not None
+            and new.record_stamp == old.record_stamp
+        ):
             raise self.violated(
                 "rerun",
                 f"{proc}'s {role} took the lease of {key} although its record "
                 f"{old.record_value!r} is live",
             )
+        if ks.record_lost:
+            # The documented outcome of a restart that lost data: the key runs again.
+            self.reruns_after_loss += 1
+            ks.record_lost = False
         if fence is None:
             raise self.violated("fence", f"lease on {key} granted without a fencing token")
         if fence <= ks.max_fence and ks.lost_since_max and ks.back_since_max:
@@ -366,6 +382,8 @@ class Checker:
             for r in ks.records:
                 if r.end is None:
                     r.end = self.now
+            if cause == "data-loss" and not expired:
+                ks.record_lost = True
         if new.record_stamp is None:
             ks.expired_stamps.add(old.record_stamp)
             return

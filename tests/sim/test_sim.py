@@ -53,6 +53,9 @@ def test_campaign_holds_every_invariant() -> None:
     for kind in ("fresh", "replay", "lost", "raised", "requeued"):
         assert result.outcomes[kind] > 20, kind
     assert not result.failures, _report(result.failures[0])
+    # A restart without persistence does what the README says it can: keys run again.
+    assert result.reruns_after_loss > 0
+    assert result.unfinished == 0
     assert time.process_time() - started < 120  # a runaway guard, not a speed claim
 
 

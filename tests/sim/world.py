@@ -232,6 +232,7 @@ class SimClient:
         self.retries = retries
         self.observer = observer
         self.role = role  # what the checker calls its plain commands (e.g. "forget")
+        self.worker: Any = None  # the simulated worker this client belongs to
 
     def __repr__(self) -> str:
         return f"SimClient({self.proc.name})"
