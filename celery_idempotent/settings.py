@@ -145,6 +145,7 @@ def resolve(app: Any, task: Any) -> IdempotencySettings:
             from_task.add(setting)
         values[setting] = _validate(setting, value, task_name=name)
     _pick_backend(values, from_task, task_name=name)
+    _check_fingerprint_names(task, values["idempotency_fingerprint"], task_name=name)
     if (
         values["idempotency_wait_replicas"]
         and values["idempotency_wait_timeout"] >= values["idempotency_lock_ttl"]
@@ -312,6 +313,26 @@ def _check_fingerprint(where: str, value: Any) -> Any:
     if len(set(value)) != len(value):
         raise ValueError(f"{where} names an argument twice: {tuple(value)!r}")
     return tuple(value)
+
+
+def _check_fingerprint_names(task: Any, names: Any, *, task_name: str) -> None:
+    """A tuple ``idempotency_fingerprint`` must name the task's arguments (checked here, so a
+    typo shows at worker start, not first at a call)."""
+    run = getattr(task, "run", None)
+    if not isinstance(names, tuple) or not callable(run):
+        return
+    try:
+        params = inspect.signature(run).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # **kwargs: a name may arrive in it; the call checks
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise ValueError(
+            f"idempotency_fingerprint (task {task_name}) names {', '.join(unknown)}, which the "
+            f"task has no argument for (arguments: {', '.join(params) or 'none'})"
+        )
 
 
 def _check_namespace(where: str, value: Any) -> Any:
