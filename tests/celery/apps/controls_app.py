@@ -66,6 +66,7 @@ def token() -> str:
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     name="controls.order",
     idempotency_key="order:{tag}:{order_id}",
@@ -77,7 +78,10 @@ def order(tag: str, order_id: int, amount: int, requested_at: str) -> dict[str, 
 
 
 @app.task(
-    base=IdempotentTask, name="controls.order_strict", idempotency_key="order:{tag}:{order_id}"
+    shared=False,
+    base=IdempotentTask,
+    name="controls.order_strict",
+    idempotency_key="order:{tag}:{order_id}",
 )
 def order_strict(tag: str, order_id: int, amount: int, requested_at: str) -> dict[str, Any]:
     n = bump("order_strict", tag)
@@ -87,12 +91,18 @@ def order_strict(tag: str, order_id: int, amount: int, requested_at: str) -> dic
 # --------------------------------------------------------------------------- missing keys
 
 
-@app.task(base=IdempotentTask, name="controls.welcome", idempotency_key="user:{tag}:{user_id}")
+@app.task(
+    shared=False,
+    base=IdempotentTask,
+    name="controls.welcome",
+    idempotency_key="user:{tag}:{user_id}",
+)
 def welcome(tag: str, user_id: int | None) -> int:
     return bump("welcome", tag)
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     name="controls.welcome_run",
     idempotency_key="user:{tag}:{user_id}",
@@ -106,6 +116,7 @@ def welcome_run(tag: str, user_id: int | None) -> int:
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     name="controls.pay",
     idempotency_key="pay:{tag}:{order_id}",
@@ -123,6 +134,7 @@ def pay(tag: str, order_id: int, error: str) -> str:
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     name=f"controls.charge_v{VERSION}",
     idempotency_namespace="billing.charge",
@@ -132,12 +144,17 @@ def charge(tag: str, order_id: int) -> dict[str, Any]:
     return {"version": VERSION, "run": n, "token": token()}
 
 
-@app.task(base=IdempotentTask, name="controls.audit")
+@app.task(shared=False, base=IdempotentTask, name="controls.audit")
 def audit(tag: str) -> str:
     return token()
 
 
-@app.task(base=IdempotentTask, name="controls.audit_copy", idempotency_namespace="controls.audit")
+@app.task(
+    shared=False,
+    base=IdempotentTask,
+    name="controls.audit_copy",
+    idempotency_namespace="controls.audit",
+)
 def audit_copy(tag: str) -> str:  # pasted from audit, namespace and all: an accident
     return token()
 
@@ -146,6 +163,7 @@ def audit_copy(tag: str) -> str:  # pasted from audit, namespace and all: an acc
 
 
 @app.task(
+    shared=False,
     base=IdempotentTask,
     name="controls.slow",
     acks_late=True,
