@@ -240,3 +240,19 @@ def test_the_examples_run(idempotency_redis: Any) -> None:
     ran_on = {r["page"] for r in report if r["status"] == "ran"}
     for page in ("docs/getting-started.md", "docs/recipes/http.md", "docs/guard.md"):
         assert page in ran_on, page
+
+
+def test_the_testing_page_covers_every_fixture_and_helper() -> None:
+    from celery_idempotent import testing
+
+    page = (DOCS / "testing.md").read_text(encoding="utf-8")
+    fixtures = [name for name in testing.__all__ if name.startswith("idempotency")]
+    helpers = [
+        name
+        for name, value in vars(testing.IdempotencyTester).items()
+        if not name.startswith("_") and callable(value) and name != "close"
+    ]
+    assert len(fixtures) == 4
+    assert len(helpers) >= 7
+    missing = [name for name in fixtures + helpers if f"`{name}" not in page]
+    assert not missing, f"docs/testing.md does not describe {missing}"
