@@ -57,16 +57,21 @@ class IdempotencySettings:
     idempotency_key: Any = "args"
     #: what must match between duplicates of one key: ``"args"`` (every bound argument), a
     #: tuple of argument names (only these; others, like a ``requested_at`` timestamp, may
-    #: differ), a callable ``(task, args, kwargs) -> str | None``, or ``None`` (no check).
+    #: differ), a callable ``(task, args, kwargs) -> str | None`` (its string is hashed before
+    #: it is stored; ``None`` skips the check for that call), or ``None`` (no check).
     idempotency_fingerprint: Any = "args"
-    #: a key whose format field is ``None`` (or a key callable that returns ``None``):
-    #: ``"raise"`` (``IdempotencyKeyMissingError``) or ``"run"`` (unguarded, one WARNING).
+    #: a key whose format field is ``None`` (``"user:{user_id}"`` with ``user_id=None``) or
+    #: whose callable returns ``None``: ``"raise"`` (``IdempotencyKeyMissingError``, the body
+    #: does not run) or ``"run"`` (run unguarded, one WARNING per call).
     idempotency_missing_key: str = "raise"
-    #: the namespace of the task's keys; ``None``: the task's name. Keys survive a rename when
-    #: it is fixed; two tasks share one only when both declare it.
+    #: the namespace of the task's keys; ``None``: the task's name. Fix it and the keys survive
+    #: a rename or a module move; two tasks share one only when both declare it (the worker
+    #: warns at start otherwise).
     idempotency_namespace: str | None = None
     #: exception classes whose failure is stored like a result and raised again (same class,
-    #: same args) to every duplicate within ``idempotency_ttl``.
+    #: same args) to every duplicate within ``idempotency_ttl``; the body does not run again.
+    #: ``Retry``, ``Ignore``, ``Reject``, time limits and this library's errors are never
+    #: stored.
     idempotency_store_errors: tuple[type[Exception], ...] = ()
     #: seconds a committed result is kept.
     idempotency_ttl: float = 86_400

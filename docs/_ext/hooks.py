@@ -68,15 +68,14 @@ def default_text(value: Any) -> str:
 
 
 def settings_reference() -> str:
-    """The Markdown table of every setting."""
-    out = [
-        "| setting | default | meaning |",
-        "|---|---|---|",
-    ]
-    for name, default, meaning in setting_docs():
-        cell = meaning.replace("|", "\\|")
-        out.append(f'| <span id="{name}"></span>`{name}` | `{default_text(default)}` | {cell} |')
-    return "\n".join(out)
+    """The Markdown of every setting: a summary table, then one section per setting."""
+    rows = setting_docs()
+    out = ["| setting | default |", "|---|---|"]
+    out += [f"| [`{name}`](#{name}) | `{default_text(default)}` |" for name, default, _ in rows]
+    for name, default, meaning in rows:
+        out += ["", f"### `{name}` {{ #{name} }}", "", f"Default: `{default_text(default)}`", ""]
+        out.append(meaning[:1].upper() + meaning[1:])
+    return "\n".join(out) + "\n"
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:

@@ -46,6 +46,8 @@ class _Page(HTMLParser):
         self.links: list[str] = []
         self.nav_links: list[str] = []
         self.rows: list[list[str]] = []
+        self.sections: dict[str, list[str]] = {}
+        self._section: list[str] | None = None
         self._nav_depth = 0
         self._stack: list[str] = []
         self._cell: list[str] | None = None
@@ -55,6 +57,10 @@ class _Page(HTMLParser):
         attr = {k: v or "" for k, v in attrs}
         if "id" in attr:
             self.ids.add(attr["id"])
+        if re.fullmatch(r"h[1-6]", tag):
+            self._section = self.sections.setdefault(attr.get("id", ""), [])
+        elif tag == "footer":
+            self._section = None
         if tag == "a" and "name" in attr:
             self.ids.add(attr["name"])
         primary = "md-nav--primary" in attr.get("class", "").split()
@@ -69,10 +75,10 @@ class _Page(HTMLParser):
             self._row = []
         elif tag in ("td", "th") and self._row is not None:
             self._cell = []
-        elif tag == "span" and self._cell is not None and "id" in attr:
-            self._cell.append(f"#{attr['id']}#")
 
     def handle_endtag(self, tag: str) -> None:
+        if tag == "article":
+            self._section = None
         if tag == "nav" and self._nav_depth:
             self._nav_depth -= 1
         if tag in ("td", "th") and self._cell is not None and self._row is not None:
@@ -85,6 +91,8 @@ class _Page(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self._cell is not None:
             self._cell.append(data)
+        if self._section is not None:
+            self._section.append(data)
 
 
 def _parse(path: Path) -> _Page:
@@ -185,20 +193,17 @@ def _rendered(markdown: str) -> str:
 
 
 def test_the_settings_reference_is_the_codes_table(site: Path, built: dict[Path, _Page]) -> None:
-    rows = [
-        row
-        for row in built[site.resolve() / "settings.html"].rows
-        if row and row[0].startswith("#idempotency_")
-    ]
-    names = [re.match(r"#(\w+)#", row[0]).group(1) for row in rows]  # type: ignore[union-attr]
-    assert names == list(DEFAULTS), "settings reference: names or order differ from the code"
+    page = built[site.resolve() / "settings.html"]
+    table = {row[0]: row[1] for row in page.rows if row and row[0].startswith("idempotency_")}
+    assert list(table) == list(DEFAULTS), "settings summary: names or order differ from the code"
     documented = {name: meaning for name, _, meaning in hooks.setting_docs()}
-    for name, row in zip(names, rows):
-        assert row[0] == f"#{name}#{name}"
-        assert ast.literal_eval(row[1]) == DEFAULTS[name], (
-            f"the reference says {name} defaults to {row[1]}, the code {DEFAULTS[name]!r}"
+    for name, default in table.items():
+        assert ast.literal_eval(default) == DEFAULTS[name], (
+            f"the reference says {name} defaults to {default}, the code {DEFAULTS[name]!r}"
         )
-        assert _rendered(row[2]) == _rendered(documented[name]), name
+        section = _rendered("".join(page.sections[name]))
+        meaning = documented[name][:1].upper() + documented[name][1:]
+        assert section == _rendered(f"{name}¶ Default: {default} {meaning}"), name
 
 
 def test_the_settings_reference_fails_the_build_for_an_undocumented_setting(
@@ -240,3 +245,19 @@ def test_the_examples_run(idempotency_redis: Any) -> None:
     ran_on = {r["page"] for r in report if r["status"] == "ran"}
     for page in ("docs/getting-started.md", "docs/recipes/http.md", "docs/guard.md"):
         assert page in ran_on, page
+
+
+def test_the_testing_page_covers_every_fixture_and_helper() -> None:
+    from celery_idempotent import testing
+
+    page = (DOCS / "testing.md").read_text(encoding="utf-8")
+    fixtures = [name for name in testing.__all__ if name.startswith("idempotency")]
+    helpers = [
+        name
+        for name, value in vars(testing.IdempotencyTester).items()
+        if not name.startswith("_") and callable(value) and name != "close"
+    ]
+    assert len(fixtures) == 4
+    assert len(helpers) >= 7
+    missing = [name for name in fixtures + helpers if f"`{name}" not in page]
+    assert not missing, f"docs/testing.md does not describe {missing}"
