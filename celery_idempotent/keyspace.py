@@ -80,6 +80,7 @@ from typing import NamedTuple
 
 __all__ = [
     "KINDS",
+    "KIND_MARKERS",
     "LOCK_SEP",
     "MAX_READABLE_KEY",
     "RECORD_VERSION",
@@ -105,7 +106,10 @@ __all__ = [
 #: What follows the namespace in a task key: ``args`` (argument hash), ``id`` (task id),
 #: ``key`` (explicit or formatted key).
 KINDS = ("args", "id", "key")
-_MARKERS = tuple(f":{kind}:" for kind in KINDS)
+#: How each kind appears in a task key; a namespace may not contain one, or a key could not be
+#: parsed back.
+KIND_MARKERS = tuple(f":{kind}:" for kind in KINDS)
+_MARKERS = KIND_MARKERS
 
 
 def task_key(namespace: str, kind: str, value: str) -> str:
