@@ -342,6 +342,26 @@ def render(result: dict[str, Any]) -> str:
             f"{mem['live_records_after']:,} records alive (peak {mem['peak_live_records']:,}); "
             f"{mem['bytes_per_live_record']} bytes per live record."
         )
+    costs = result.get("server_costs")
+    if costs:
+        lua, plain, ours = costs["lua"], costs["plain"], costs["scripts"]
+        floor = lua["noop"]["us"]
+        lines.append("")
+        lines.append(
+            f"Redis server time step by step ({costs['calls']:,} calls each, INFO commandstats; "
+            "a script's row minus the no-op script's is what its commands cost inside Lua):"
+        )
+        lines.append("")
+        lines.append("| probe | server µs per call | inside Lua |")
+        lines.append("|---|---:|---:|")
+        for name, probe in lua.items():
+            extra = "" if name == "noop" else f"{probe['us'] - floor:.2f}"
+            lines.append(f"| script: {probe['label']} | {probe['us']:.2f} | {extra} |")
+        lines.append(f"| plain SET PX of a new key | {plain['set_px_new']:.2f} | |")
+        lines.append(f"| plain GET of a missing key | {plain['get_missing']:.2f} | |")
+        lines.append(f"| our CLAIM, first execution | {ours['claim_first']:.2f} | |")
+        lines.append(f"| our COMMIT | {ours['commit']:.2f} | |")
+        lines.append(f"| our CLAIM, duplicate | {ours['claim_duplicate']:.2f} | |")
     rmem = result.get("redis_memory")
     if rmem:
         lines.append("")
@@ -481,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_memory:
             print(f"memory store: {args.memory_keys:,} keys ...", file=sys.stderr)
             result["memory_store"] = _memory(args.memory_keys)
+        from benchmarks import server_costs
+
+        print("Redis server time, step by step ...", file=sys.stderr)
+        result["server_costs"] = server_costs.run(client, prefix, n=500 if args.quick else 5000)
         if not args.skip_redis_memory:
             from benchmarks import redis_memory
 

@@ -91,13 +91,13 @@ SAMPLE = 10
 
 def parse_redis_name(name: str, prefix: str) -> tuple[str, str] | None:
     """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name
-    (see :func:`celery_idempotent.keyspace.parse_name`)."""
+    (see ``celery_idempotent.keyspace.parse_name``)."""
     return keyspace.parse_name(name, prefix)
 
 
 def task_of_slot(slot: str) -> str | None:
     """The task name at the start of a slot, or ``None``
-    (see :func:`celery_idempotent.keyspace.task_of_slot`)."""
+    (see ``celery_idempotent.keyspace.task_of_slot``)."""
     return keyspace.task_of_slot(slot)
 
 

@@ -22,7 +22,7 @@ class RedisLockProvider:
 
     Fencing tokens strictly increase per resource: a token is the server's time in µs, or
     one more than a token still ahead of the server clock (see
-    :mod:`celery_idempotent.keyspace` for why no long-lived fence key is needed). A lease's
+    ``celery_idempotent.keyspace`` for why no long-lived fence key is needed). A lease's
     ``token`` is what the lock holds: ``<fencing token>/<random>@<owner_id>``.
 
     ``key_prefix`` only scopes :meth:`clear`; resource names come from the guard.

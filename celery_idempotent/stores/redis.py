@@ -171,7 +171,7 @@ class RedisIdempotencyStore:
     # -- encoding ---------------------------------------------------------------------------
 
     def encode(self, key: str, record: IdempotencyRecord) -> bytes:
-        """The stored form of ``record`` (see :mod:`celery_idempotent.keyspace`);
+        """The stored form of ``record`` (see ``celery_idempotent.keyspace``);
         ResultEncodeError if the serializer refuses the result."""
         codec = self._codec
         try:
