@@ -483,6 +483,26 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"per-call cases: {args.rounds} rounds × {args.calls} calls ...", file=sys.stderr)
         result["per_call"] = micro.run(client, prefix, rounds=args.rounds, calls=args.calls)
+        if not args.skip_redis_memory:
+            from benchmarks import redis_memory
+
+            print(
+                f"Redis memory: {args.redis_memory_keys:,} completed keys each ...",
+                file=sys.stderr,
+            )
+            result["redis_memory"] = redis_memory.run(
+                client,
+                prefix,
+                n=args.redis_memory_keys,
+                # A private server: one empty database per library, so both grow their tables
+                # alike. A given server: its database, shared (see redis_memory.run).
+                databases=(1, 2) if not args.redis_url else None,
+            )
+            result["redis_memory"]["key_examples"] = redis_memory.key_examples(prefix)
+        from benchmarks import server_costs
+
+        print("Redis server time, step by step ...", file=sys.stderr)
+        result["server_costs"] = server_costs.run(client, prefix, n=500 if args.quick else 5000)
         if not args.skip_e2e:
             from benchmarks import e2e
 
@@ -501,26 +521,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_memory:
             print(f"memory store: {args.memory_keys:,} keys ...", file=sys.stderr)
             result["memory_store"] = _memory(args.memory_keys)
-        from benchmarks import server_costs
-
-        print("Redis server time, step by step ...", file=sys.stderr)
-        result["server_costs"] = server_costs.run(client, prefix, n=500 if args.quick else 5000)
-        if not args.skip_redis_memory:
-            from benchmarks import redis_memory
-
-            print(
-                f"Redis memory: {args.redis_memory_keys:,} completed keys each ...",
-                file=sys.stderr,
-            )
-            result["redis_memory"] = redis_memory.run(
-                client,
-                prefix,
-                n=args.redis_memory_keys,
-                # A private server: one empty database per library, so both grow their tables
-                # alike. A given server: its database, shared (see redis_memory.run).
-                databases=(1, 2) if not args.redis_url else None,
-            )
-            result["redis_memory"]["key_examples"] = redis_memory.key_examples(prefix)
         result["loadavg_end"] = _loadavg()
         result["seconds"] = round(time.perf_counter() - started, 1)
         result["targets"] = targets(

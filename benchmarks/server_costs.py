@@ -68,6 +68,7 @@ def run(client: redis.Redis, prefix: str, *, n: int = 5000) -> dict[str, Any]:
                 return script(keys=[f"{base}:a", f"{base}:b", f"{base}:c"], args=[VALUE, 10_000])
 
             out["lua"][name] = {"label": label, "us": _per_call(client, "evalsha", n, call)}
+            _forget(client, f"{prefix}sc:")
     out["plain"]["set_px_new"] = _per_call(
         client,
         "set",
@@ -78,6 +79,7 @@ def run(client: redis.Redis, prefix: str, *, n: int = 5000) -> dict[str, Any]:
         client, "get", n, lambda i: client.get(f"{prefix}sc:missing:{i}")
     )
 
+    _forget(client, f"{prefix}sc:")
     claim = client.register_script(_redis.CLAIM)
     commit = client.register_script(_redis.COMMIT)
     names = [
@@ -101,4 +103,13 @@ def run(client: redis.Redis, prefix: str, *, n: int = 5000) -> dict[str, Any]:
     out["scripts"]["claim_duplicate"] = _per_call(
         client, "evalsha", n, lambda i: claim(keys=list(names[i]), args=["other@o", 10_000])
     )
+    _forget(client, f"{prefix}sc:")
     return out
+
+
+def _forget(client: redis.Redis, prefix: str) -> None:
+    """Delete the probes' keys now: keys left to expire would shrink the memory of whatever
+    is measured next."""
+    batch = list(client.scan_iter(match=prefix.replace("*", r"\*") + "*", count=1000))
+    for start in range(0, len(batch), 1000):
+        client.delete(*batch[start : start + 1000])
