@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from celery_idempotent.backoff import ExponentialJitterBackoff
 from celery_idempotent.exceptions import (
     CommitUnknownError,
+    DuplicatePublishError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -52,6 +53,7 @@ __all__ = [
     "Claim",
     "CommitUnknownError",
     "DistributedIdempotencyGuard",
+    "DuplicatePublishError",
     "ExponentialJitterBackoff",
     "GuardEvent",
     "IdempotencyAbortedError",

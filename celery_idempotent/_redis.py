@@ -36,8 +36,10 @@ __all__ = [
     "CLAIM",
     "COMMIT",
     "DROP_FENCE",
+    "DROP_QUEUED",
     "EXTEND",
     "FORGET",
+    "PUBLISH",
     "READ_KEY",
     "RELEASE",
     "SentinelClientFactory",
@@ -144,6 +146,8 @@ return fs
 # -> {3, v1 fields...}    the lock was free and a v1 record (a hash) exists: not taken
 #                         (a hash without a v1 version field is taken over, as 0.1.0 did)
 # -> {4, value}           the lock was free and the record name holds another string
+# A queued marker (a call published but not run yet) is not a record: the lock is taken over
+# it, and the marker stays until the commit replaces it.
 # A key of another type (a list, ...) under the record name fails with WRONGTYPE.
 CLAIM = (
     """
@@ -158,9 +162,12 @@ if rec then
     + """) == '"""
     + keyspace.RECORD_HEAD
     + """' then return {2, rec} end
-  return {4, rec}
-end
-if redis.call('exists', KEYS[2]) == 1 then
+  if string.sub(rec, 1, """
+    + str(len(keyspace.QUEUED_HEAD))
+    + """) ~= '"""
+    + keyspace.QUEUED_HEAD
+    + """' then return {4, rec} end
+elseif redis.call('exists', KEYS[2]) == 1 then
   local v1 = redis.call('hmget', KEYS[2], """
     + keyspace.lua_list(keyspace.V1_RECORD_FIELDS)
     + """)
@@ -170,6 +177,70 @@ end
     + _take("KEYS[3]")
     + """
 return {1, fs}
+"""
+)
+
+# KEYS[1] record  KEYS[2] lock   ARGV[1] task id  ARGV[2] fingerprint ('' for none)
+# ARGV[3] publish ttl ms
+# The publish-side decision of apply_async, in one step:
+# -> {1}                  publish: the marker for ARGV[1] is set (or was already ARGV[1]'s own)
+# -> {2, record}          completed (v2 record): publish nothing
+# -> {3, v1 fields...}    completed (v1 record): publish nothing
+# -> {5, task id, fp}     queued or running under another fingerprint: a mismatch
+# -> {6, task id}         queued or running (the marker names the first call): publish nothing
+# -> {7}                  running without a marker, or a foreign value: publish as without
+#                         the check (the run-time guard decides)
+PUBLISH = (
+    """
+local got = redis.call('mget', KEYS[1], KEYS[2])
+local rec, held = got[1], got[2]
+if rec then
+  local head = string.sub(rec, 1, 2)
+  if head == '"""
+    + keyspace.RECORD_HEAD
+    + """' then return {2, rec} end
+  if head ~= '"""
+    + keyspace.QUEUED_HEAD
+    + """' then return {7} end
+  local cut = string.find(rec, '"""
+    + keyspace.SEP
+    + """', 3, true)
+  if not cut then return {7} end
+  local tid, fp = string.sub(rec, 3, cut - 1), string.sub(rec, cut + 1)
+  if tid == ARGV[1] then return {1} end
+  if fp ~= '' and ARGV[2] ~= '' and fp ~= ARGV[2] then return {5, tid, fp} end
+  return {6, tid}
+elseif redis.call('exists', KEYS[1]) == 1 then
+  local v1 = redis.pcall('hmget', KEYS[1], """
+    + keyspace.lua_list(keyspace.V1_RECORD_FIELDS)
+    + """)
+  if type(v1) == 'table' and v1[1] then return {3, unpack(v1)} end
+  return {7}
+end
+if held then return {7} end
+redis.call('set', KEYS[1], '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[1] .. '"""
+    + keyspace.SEP
+    + """' .. ARGV[2], 'PX', ARGV[3])
+return {1}
+"""
+)
+
+# KEYS[1] record   ARGV[1] task id
+# -> 1 when the record name held ARGV[1]'s queued marker and it is deleted, else 0
+DROP_QUEUED = (
+    """
+local mine = '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[1] .. '"""
+    + keyspace.SEP
+    + """'
+local rec = redis.pcall('get', KEYS[1])
+if type(rec) == 'string' and string.sub(rec, 1, #mine) == mine then
+  return redis.call('del', KEYS[1])
+end
+return 0
 """
 )
 

@@ -7,6 +7,7 @@ One root, every error carrying the idempotency key it concerns::
     ├── IdempotencyAbortedError       .attempts      the abort event was set before the body ran
     ├── IdempotencyMismatchError      .stored_fingerprint, .fingerprint
     ├── IdempotencyKeyMissingError    .task, .field  a key format field (or key callable) gave None
+    ├── DuplicatePublishError         .task_id       a publish found its key done, queued or running
     ├── LockLostError                 .result        body ran, lease lost: not committed
     │   └── CommitUnknownError        .result        body ran, commit sent but never confirmed
     ├── IdempotencyBackendError                      a store or lock failed (chains the cause)
@@ -25,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "CommitUnknownError",
+    "DuplicatePublishError",
     "IdempotencyAbortedError",
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
@@ -145,6 +147,29 @@ class IdempotencyKeyMissingError(IdempotencyError):
         return (
             f"the idempotency key of task {self.task} is missing: its field {self.field!r} "
             "is None (set idempotency_missing_key='run' to run such calls unguarded)"
+        )
+
+
+class DuplicatePublishError(IdempotencyError):
+    """``apply_async`` (or ``delay``) of a call whose key is already completed, queued or
+    running, with ``idempotency_on_duplicate_publish="raise"``: nothing was published.
+
+    ``task_id`` is the id of the first call's task (``None`` when it is not known: a record
+    written by 0.1.0).
+    """
+
+    def __init__(
+        self, key: str | None = None, task_id: str | None = None, message: str | None = None
+    ) -> None:
+        Exception.__init__(self, key, task_id, message)
+        self.key = key
+        self.task_id = task_id
+        self.message = message
+
+    def _describe(self) -> str:
+        return (
+            f"a call with this idempotency key was already published as task {self.task_id}: "
+            "nothing was published (idempotency_on_duplicate_publish='raise')"
         )
 
 

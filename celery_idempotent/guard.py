@@ -245,11 +245,13 @@ class DistributedIdempotencyGuard:
         input: Any = ABSENT,
         abort: Any = None,
         fingerprint: str | None = None,
+        task_id: str | None = None,
     ) -> Outcome[T]:
         """Like :meth:`execute`, but says whether the value was replayed (an :class:`Outcome`).
 
         ``fingerprint``, when given, is used as the fingerprint of ``input`` instead of calling
-        ``fingerprint_fn`` (for a caller that has computed it already).
+        ``fingerprint_fn`` (for a caller that has computed it already). ``task_id`` is stored
+        with the result (``IdempotencyRecord.task_id``).
         """
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
@@ -284,7 +286,7 @@ class DistributedIdempotencyGuard:
             value = self._run_body(key, fn, lease, started)
             # Whole µs: the Redis store writes those compactly (see keyspace).
             stamp = round(self.clock(), 6)
-            new = IdempotencyRecord(value, fingerprint, stamp, lease.fencing_token)
+            new = IdempotencyRecord(value, fingerprint, stamp, lease.fencing_token, task_id)
             committed = self._commit(key, rkey, lease, new, started)
             return Outcome(value, False, lease.fencing_token, attempts)
         finally:

@@ -42,6 +42,12 @@ empty. A string costs Redis one allocation where a hash of seven fields costs a 
 dict of seven entries once any value passes 64 bytes; these abbreviations keep a completed key
 at or below the bytes Powertools' Redis layer spends on one (see the benchmarks).
 
+Before its body has run, a call published through ``apply_async`` leaves a **queued marker**
+under the record's name (issue 12): ``q|<task id>|<fingerprint>``, with ``PX`` =
+``idempotency_publish_ttl``. The claim takes the lock over it and leaves it; the commit replaces
+it with the record in the same ``SET``; a body that fails for good deletes it; a lost message
+lets it expire. So a key is, under its one record name: absent, queued, completed.
+
 Layout v1 (0.1.0) kept the record as a hash with the fields of :data:`V1_RECORD_FIELDS` and a
 fence key for 7 days after every acquisition. A v1 record is still read (the scripts look for
 a hash where they expect a string) and replayed; a held v1 lock (``<random>@<owner id>``) is a
@@ -76,6 +82,7 @@ deleting a fence key by hand while the clock is behind it.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import NamedTuple
 
 __all__ = [
@@ -83,10 +90,12 @@ __all__ = [
     "KIND_MARKERS",
     "LOCK_SEP",
     "MAX_READABLE_KEY",
+    "QUEUED_HEAD",
     "RECORD_VERSION",
     "SHORTENED_MARK",
     "V1_RECORD_FIELDS",
     "DecodedRecord",
+    "can_mark",
     "decode_record",
     "encode_record",
     "fence_name",
@@ -94,11 +103,15 @@ __all__ = [
     "lock_value",
     "parse_lock_value",
     "parse_name",
+    "parse_queued",
     "parse_task_key",
+    "queued_value",
     "record_name",
+    "slot_for",
     "slot_key",
     "task_key",
     "task_of_slot",
+    "with_slot",
 ]
 
 # --------------------------------------------------------------------------- task keys
@@ -142,6 +155,24 @@ def task_of_slot(slot: str) -> str | None:
     """
     parsed = parse_task_key(slot)
     return None if parsed is None else parsed[0]
+
+
+#: Between a task key and its schedule slot (``idempotency_window``).
+SLOT_SEP = "@"
+
+
+def slot_for(when: float, window: float) -> str:
+    """The schedule slot of time ``when`` (epoch seconds): the nearest multiple of ``window``,
+    so that two ``celery beat`` instances firing around one boundary share it."""
+    slot = math.floor(when / window + 0.5) * window
+    if float(slot).is_integer():
+        return str(int(slot))
+    return repr(round(slot, 6))
+
+
+def with_slot(key: str, slot: str) -> str:
+    """``<key>@<slot>``: a task key scoped to one schedule slot."""
+    return f"{key}{SLOT_SEP}{slot}"
 
 
 # --------------------------------------------------------------------------- Redis names
@@ -357,6 +388,31 @@ def decode_record(value: bytes, name: str | None = None) -> DecodedRecord:
         data=data,
         version=RECORD_VERSION,
     )
+
+
+#: A queued marker starts with this; the scripts test it.
+QUEUED_HEAD = "q" + SEP
+
+
+def can_mark(task_id: str) -> bool:
+    """Whether a queued marker can name ``task_id`` (it must not contain the separator)."""
+    return bool(task_id) and SEP not in task_id
+
+
+def queued_value(task_id: str, fingerprint: str | None) -> str:
+    """The queued marker of a call published as ``task_id`` (see :func:`can_mark`)."""
+    if not can_mark(task_id):
+        raise ValueError(f"a queued marker cannot name task id {task_id!r}")
+    return f"{QUEUED_HEAD}{task_id}{SEP}{_clean(fingerprint, 'fingerprint')}"
+
+
+def parse_queued(value: bytes | str) -> tuple[str, str | None] | None:
+    """``(task id, fingerprint)`` of a queued marker, or ``None`` when ``value`` is not one."""
+    text = value.decode("utf-8", "surrogatepass") if isinstance(value, bytes) else value
+    if not text.startswith(QUEUED_HEAD):
+        return None
+    task_id, _, fingerprint = text[len(QUEUED_HEAD) :].partition(SEP)
+    return task_id, fingerprint or None
 
 
 def decode_v1_record(values: list[bytes | str | None]) -> DecodedRecord:

@@ -39,14 +39,16 @@ class IdempotencyRecord:
     """A committed result.
 
     ``fingerprint`` is the payload fingerprint of the call that produced it (``None`` when that
-    call gave no ``input``), ``created_at`` the guard clock's time of the commit, and
-    ``fencing_token`` the token of the lease under which it was committed.
+    call gave no ``input``), ``created_at`` the guard clock's time of the commit,
+    ``fencing_token`` the token of the lease under which it was committed, and ``task_id``
+    the id of the Celery task whose body produced it (``None`` outside Celery).
     """
 
     result: Any
     fingerprint: str | None
     created_at: float
     fencing_token: int | None = None
+    task_id: str | None = None
 
 
 class Claim(NamedTuple):

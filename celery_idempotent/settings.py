@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 ON_LOCKED_POLICIES = ("retry", "raise", "ignore", "reject")
+DUPLICATE_PUBLISH_POLICIES = ("existing", "raise", "publish")
 MISSING_KEY_POLICIES = ("raise", "run")
 KEY_STRATEGIES = ("args", "task_id")
 #: What follows the namespace in a task key (``<namespace>:args:<sha256>``); a namespace may not
@@ -88,6 +89,19 @@ class IdempotencySettings:
     #: (``LockAcquisitionError``), ``"ignore"`` (Celery ``Ignore``) or ``"reject"`` (Celery
     #: ``Reject(requeue=False)``: a broker's dead-letter exchange takes the duplicate).
     idempotency_on_locked: str = "retry"
+    #: what ``apply_async``/``delay`` does with a call whose key is already completed, queued
+    #: or running (one Redis round trip at publish): ``"existing"`` (publish nothing; return
+    #: the first call's result: its value at once when completed, else its ``AsyncResult``),
+    #: ``"raise"`` (``DuplicatePublishError``) or ``"publish"`` (publish anyway; the worker
+    #: replays). Calls with links, chains, groups and chords always publish.
+    idempotency_on_duplicate_publish: str = "existing"
+    #: seconds a "queued" marker set at publish lives at most: a message the broker lost
+    #: blocks its key's publishes for no longer than this.
+    idempotency_publish_ttl: float = 3600
+    #: schedule slot in seconds (or a ``timedelta``): the key gets the publish time rounded to
+    #: the nearest multiple of it, so that a periodic task runs once per slot however many
+    #: ``celery beat`` instances publish it; ``None``: no slot.
+    idempotency_window: float | None = None
     #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
     #: before it counts; 0: do not wait. For Sentinel setups, see "Sentinel and Redis
     #: Cluster" in the docs.
@@ -289,6 +303,16 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
         return check_duration(where, value)
     if setting == "idempotency_retry_base_delay":
         return check_delay(where, value)
+    if setting == "idempotency_on_duplicate_publish":
+        if value not in DUPLICATE_PUBLISH_POLICIES:
+            raise ValueError(
+                f"{where} must be one of {', '.join(DUPLICATE_PUBLISH_POLICIES)}, got {value!r}"
+            )
+        return value
+    if setting == "idempotency_publish_ttl":
+        return check_duration(where, value)
+    if setting == "idempotency_window":
+        return None if value is None else check_duration(where, value)
     if setting == "idempotency_on_locked":
         if value not in ON_LOCKED_POLICIES:
             raise ValueError(

@@ -14,6 +14,11 @@ signal                      sent when                               ``elapsed`` 
 ``idempotency_lease_lost``  the body ran but its lease was lost     lock + body (+ commit)
 ==========================  ======================================  ===========================
 
+``idempotency_publish_stopped`` is sent in the *publishing* process when ``apply_async`` or
+``delay`` published nothing because the key was already completed, queued or running: with
+``sender=<the task>``, ``task_id`` (the first call's task id, ``None`` when unknown), ``key``
+and ``state`` (``"completed"`` or ``"queued"``, which covers running).
+
 Receivers run in the worker process that ran the task, on the task's thread, before the task
 returns: keep them as cheap as a statsd UDP packet. Celery keeps receivers by weak reference:
 connect module-level functions (as below) or pass ``weak=False``, and connect them in a module
@@ -61,6 +66,7 @@ __all__ = [
     "idempotency_committed",
     "idempotency_contended",
     "idempotency_lease_lost",
+    "idempotency_publish_stopped",
     "idempotency_replayed",
 ]
 
@@ -72,3 +78,5 @@ idempotency_contended = Signal(name="idempotency_contended")
 idempotency_committed = Signal(name="idempotency_committed")
 #: The body ran but its lease was lost: nothing was committed (``LockLostError`` follows).
 idempotency_lease_lost = Signal(name="idempotency_lease_lost")
+#: ``apply_async``/``delay`` published nothing: the key was completed, queued or running.
+idempotency_publish_stopped = Signal(name="idempotency_publish_stopped")

@@ -9,6 +9,7 @@ One task instance serves every thread of a process, so nothing per call is kept 
 from __future__ import annotations
 
 import contextvars
+import datetime as _dt
 import inspect
 import logging
 import os
@@ -16,17 +17,22 @@ import random
 import string
 import threading
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-from celery import Task
+from celery import Task, states
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
+from celery.result import EagerResult
+from celery.utils import uuid
 
-from celery_idempotent import signals
+from celery_idempotent import keyspace, signals
 from celery_idempotent._redis import make_client
 from celery_idempotent.exceptions import (
+    DuplicatePublishError,
+    IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyKeyMissingError,
+    IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
 )
@@ -37,6 +43,7 @@ from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
 from celery_idempotent.settings import (
+    DUPLICATE_PUBLISH_POLICIES,
     NOT_SET,
     IdempotencySettings,
     declared_by_task,
@@ -45,13 +52,15 @@ from celery_idempotent.settings import (
     resolve,
 )
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
-from celery_idempotent.stores.redis import RedisIdempotencyStore
+from celery_idempotent.stores.redis import PublishDecision, RedisIdempotencyStore
 
 __all__ = [
     "FAILURE_MARKER",
     "KEY_HEADER",
     "REQUEUE_HEADER",
+    "SLOT_HEADER",
     "IdempotentTask",
+    "check_beat_schedule",
     "check_namespaces",
     "reset_backends",
 ]
@@ -63,6 +72,11 @@ log = logging.getLogger("celery_idempotent")
 KEY_HEADER = "idempotency_key"
 #: How many times a duplicate was re-queued because its key was held (drives the countdown).
 REQUEUE_HEADER = "idempotency_requeues"
+#: The schedule slot (``idempotency_window``) stamped at publish, so that redeliveries keep it.
+SLOT_HEADER = "idempotency_slot"
+#: Publish options that make a message part of a canvas: such a message is published as it
+#: is (a deduplicated chord header would hang the chord); the run-time guard replays it.
+_CANVAS_OPTIONS = ("chain", "group_id", "chord", "group_index")
 
 #: The key of the envelope in which a failure listed in ``idempotency_store_errors`` is stored:
 #: ``{FAILURE_MARKER: 1, "exc": <the exception as Celery's result backend serializes it>}``.
@@ -104,6 +118,35 @@ _guards: dict[tuple[Any, ...], tuple[IdempotencySettings, DistributedIdempotency
 _current_guard: contextvars.ContextVar[tuple[DistributedIdempotencyGuard, str, Any] | None] = (
     contextvars.ContextVar("celery_idempotent_guard", default=None)
 )
+
+
+#: Exceptions that are Celery's control flow, not a body failing.
+_CONTROL_FLOW = (Retry, Ignore, Reject)
+
+
+class _PublishPlan(NamedTuple):
+    """What ``apply_async`` does: return ``result`` (no message), or publish as ``task_id``,
+    removing the queued marker (store, record name) if the publish fails."""
+
+    result: Any = None
+    task_id: str | None = None
+    marker: tuple[RedisIdempotencyStore, str] | None = None
+
+
+def _eta_seconds(eta: Any) -> float | None:
+    """A request's ETA (ISO text or datetime) as epoch seconds, or ``None``."""
+    if not eta:
+        return None
+    if isinstance(eta, str):
+        try:
+            eta = _dt.datetime.fromisoformat(eta)
+        except ValueError:
+            return None
+    if isinstance(eta, _dt.datetime):
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=_dt.timezone.utc)
+        return float(eta.timestamp())
+    return None
 
 
 def reset_backends() -> None:
@@ -149,6 +192,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_retry_count: ClassVar[int | None] = None
     idempotency_retry_base_delay: ClassVar[Any] = None
     idempotency_on_locked: ClassVar[str | None] = None
+    idempotency_on_duplicate_publish: ClassVar[str | None] = None
+    idempotency_publish_ttl: ClassVar[Any] = None
+    idempotency_window: ClassVar[Any] = None
     idempotency_wait_replicas: ClassVar[int | None] = None
     idempotency_wait_timeout: ClassVar[Any] = None
     idempotency_key_prefix: ClassVar[str | None] = None
@@ -235,6 +281,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         body,
                         input=payload if fingerprint is not None else ABSENT,
                         fingerprint=fingerprint,
+                        task_id=None if request.id is None else str(request.id),
                     )
                 except LockAcquisitionError as exc:
                     self._on_locked(cfg, key, exc, args, kwargs)
@@ -258,6 +305,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     raise
                 else:
                     break
+        except _CONTROL_FLOW:
+            raise
+        except BaseException:
+            if started:  # the body failed for good: its queued marker ends with it
+                self._drop_queued_marker(guard, key)
+            raise
         finally:
             _current_guard.reset(token)
         if _is_failure_envelope(outcome.value):
@@ -286,6 +339,168 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 outcome.fencing_token,
             )
         return outcome.value
+
+    def _drop_queued_marker(self, guard: DistributedIdempotencyGuard, key: str) -> None:
+        """End this delivery's queued marker (its body failed for good)."""
+        store = guard.store
+        task_id = self.request.id
+        if not isinstance(store, RedisIdempotencyStore) or task_id is None:
+            return
+        try:
+            store.drop_queued(guard.record_key(key), str(task_id))
+        except Exception as exc:  # it expires after idempotency_publish_ttl anyway
+            log.warning("could not end the queued marker of %s[%s]: %r", self.name, task_id, exc)
+
+    # -- the publish side -------------------------------------------------------------------
+
+    def apply_async(  # noqa: PLR0917 - Celery's own signature
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``, with duplicates stopped at publish (one Redis round trip).
+
+        The key is computed as the worker will compute it. When it is already completed, no
+        message is published and the result object returned has the first execution's task
+        id and its stored value (``.get()`` returns at once); when a call with the key is
+        queued or running, ``AsyncResult(<its task id>)``; with another fingerprint,
+        :class:`IdempotencyMismatchError` is raised here. Otherwise a "queued" marker (task id
+        and fingerprint) is set, then the message published (the marker is removed if the
+        publish fails). ``idempotency_on_duplicate_publish`` (a setting, a task option, or an
+        option of this call) can make a duplicate raise :class:`DuplicatePublishError` or
+        publish anyway.
+
+        Published as they are, without the check: a call with its marker's own task id
+        (``retry()``, a client re-sending), the library's re-queues, calls with ``link``,
+        ``link_error``, or part of a chain, group or chord, eager calls, memory:// backends.
+        ``app.send_task`` does not come through here.
+        """
+        options = dict(options)
+        policy = options.pop("idempotency_on_duplicate_publish", None)
+        if policy is not None and policy not in DUPLICATE_PUBLISH_POLICIES:
+            raise ValueError(
+                "idempotency_on_duplicate_publish must be one of "
+                f"{', '.join(DUPLICATE_PUBLISH_POLICIES)}, got {policy!r}"
+            )
+        if policy is not None:
+            options["_idempotency_policy"] = policy
+        plan = self._plan_publish(
+            args, kwargs, task_id, link=link, link_error=link_error, options=options
+        )
+        if plan.result is not None:
+            return plan.result
+        try:
+            return super().apply_async(
+                args, kwargs, plan.task_id or task_id, producer, link, link_error, shadow, **options
+            )
+        except BaseException:
+            if plan.marker is not None and plan.task_id is not None:
+                store, record = plan.marker
+                try:
+                    store.drop_queued(record, plan.task_id)
+                except Exception as exc:  # it expires after idempotency_publish_ttl
+                    log.warning("could not remove the queued marker of %s: %r", self.name, exc)
+            raise
+
+    def _plan_publish(
+        self,
+        args: Any,
+        kwargs: Any,
+        task_id: str | None,
+        *,
+        link: Any,
+        link_error: Any,
+        options: dict[str, Any],
+    ) -> _PublishPlan:
+        """Decide a publish: publish (with or without a marker) or return a result object.
+        Fills ``options['headers']`` with the schedule slot when there is a window."""
+        try:
+            cfg = self.idempotency_settings()
+        except (TypeError, ValueError):  # reported at worker start and when the task runs
+            return _PublishPlan()
+        if not cfg.idempotency_enabled:
+            return _PublishPlan()
+        headers = dict(options.get("headers") or {})
+        if cfg.idempotency_window is not None and SLOT_HEADER not in headers:
+            headers[SLOT_HEADER] = keyspace.slot_for(time.time(), cfg.idempotency_window)
+            options["headers"] = headers
+        policy = options.pop("_idempotency_policy", None) or cfg.idempotency_on_duplicate_publish
+        if (
+            policy == "publish"
+            or cfg.in_memory
+            or self.app.conf.task_always_eager
+            or link
+            or link_error
+            or any(options.get(name) is not None for name in _CANVAS_OPTIONS)
+            or REQUEUE_HEADER in headers
+        ):
+            return _PublishPlan()
+        task_id = str(task_id) if task_id else uuid()
+        if not keyspace.can_mark(task_id):
+            return _PublishPlan()
+        self.push_request(id=task_id, headers=headers, eta=options.get("eta"))
+        try:
+            prepared = self._prepare_call(cfg, tuple(args or ()), dict(kwargs or {}))
+        except (TypeError, ValueError, IdempotencyKeyMissingError):
+            prepared = None  # the worker reports it when the task runs
+        finally:
+            self.pop_request()
+        if prepared is None:
+            return _PublishPlan(task_id=task_id)
+        key, _, fingerprint = prepared
+        guard = self._guard(cfg)
+        store = guard.store
+        if not isinstance(store, RedisIdempotencyStore):
+            return _PublishPlan(task_id=task_id)
+        record = guard.record_key(key)
+        try:
+            decision = store.check_publish(
+                record, guard.lock_resource(key), task_id, fingerprint, cfg.idempotency_publish_ttl
+            )
+        except IdempotencyConnectionError as exc:
+            # Publishing without the check is safe: the worker's guard still decides.
+            log.warning("publish-side check of %s skipped, Redis unreachable: %s", self.name, exc)
+            return _PublishPlan(task_id=task_id)
+        if decision.action == "publish":
+            marker = None if decision.unchecked else (store, record)
+            return _PublishPlan(task_id=task_id, marker=marker)
+        return _PublishPlan(result=self._duplicate_publish(policy, key, fingerprint, decision))
+
+    def _duplicate_publish(
+        self, policy: str, key: str, fingerprint: str | None, found: PublishDecision
+    ) -> Any:
+        """The result object for a publish of a key that is completed, queued or running."""
+        stored = found.stored_fingerprint
+        if fingerprint is not None and stored is not None and stored != fingerprint:
+            raise IdempotencyMismatchError(key, stored, fingerprint)
+        first = found.task_id
+        signals.idempotency_publish_stopped.send(
+            sender=self, task_id=first, key=key, state=found.action
+        )
+        log.info(
+            "duplicate publish of %s stopped: key=%s is %s (task %s)",
+            self.name,
+            key_digest(key),
+            found.action,
+            first,
+        )
+        if policy == "raise":
+            raise DuplicatePublishError(key, first)
+        if found.action == "queued":
+            return self.AsyncResult(first)
+        record = found.record
+        if record is None:  # pragma: no cover - "completed" always carries its record
+            raise IdempotencyBackendError(key, "a completed key without its record")
+        result_id = first or uuid()
+        if _is_failure_envelope(record.result):
+            return EagerResult(result_id, self._failure_from(record.result), states.FAILURE)
+        return EagerResult(result_id, record.result, states.SUCCESS)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, after releasing this delivery's lock.
@@ -332,6 +547,33 @@ class IdempotentTask(Task):  # type: ignore[misc]
         gives ``None``.
         """
         cfg = self.idempotency_settings()
+        key = self._unslotted_key(cfg, args, kwargs, payload=payload, fingerprint=fingerprint)
+        if cfg.idempotency_window is None:
+            return key
+        return keyspace.with_slot(key, self._slot_of_request(cfg.idempotency_window))
+
+    def _slot_of_request(self, window: float) -> str:
+        """The schedule slot of this delivery: stamped at publish, else its ETA's, else the
+        worker clock's (a message published by ``send_task``)."""
+        request = self.request
+        headers = getattr(request, "headers", None) or {}
+        slot = headers.get(SLOT_HEADER) if isinstance(headers, dict) else None
+        if slot is None:
+            slot = getattr(request, SLOT_HEADER, None)
+        if isinstance(slot, str) and slot:
+            return slot
+        when = _eta_seconds(getattr(request, "eta", None)) or time.time()
+        return keyspace.slot_for(when, window)
+
+    def _unslotted_key(
+        self,
+        cfg: IdempotencySettings,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        payload: Any,
+        fingerprint: str | None,
+    ) -> str:
         namespace = cfg.idempotency_namespace or self.name
         headers = getattr(self.request, "headers", None) or {}
         explicit = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
@@ -737,6 +979,60 @@ def check_namespaces(app: Any) -> list[str]:
         log.warning("celery-idempotent: %s", message)
         messages.append(message)
     return messages
+
+
+def check_beat_schedule(app: Any) -> list[str]:
+    """Log one WARNING for each :class:`IdempotentTask` named in ``beat_schedule`` whose key
+    would collapse its runs, and return the messages.
+
+    A periodic task keyed by its arguments (the default) or by a format string, without an
+    ``idempotency_window``, gets the same key at every run: it runs once, then only replays
+    for ``idempotency_ttl``. The fix is ``idempotency_window`` (its period) or
+    ``idempotency_key="task_id"``.
+    """
+    messages: list[str] = []
+    schedule = app.conf.get("beat_schedule") or {}
+    for entry_name, entry in sorted(schedule.items(), key=lambda item: str(item[0])):
+        name = entry.get("task") if isinstance(entry, dict) else None
+        task = app.tasks.get(name) if isinstance(name, str) else None
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            cfg = resolve(app, task)
+        except (TypeError, ValueError):
+            continue  # reported by check_app_at_worker_start
+        strategy = cfg.idempotency_key
+        if (
+            not cfg.idempotency_enabled
+            or cfg.idempotency_window is not None
+            or callable(strategy)
+            or strategy == "task_id"
+        ):
+            continue
+        keyed_by = "its arguments" if strategy == "args" else f"the format string {strategy!r}"
+        message = (
+            f"periodic task {name} (beat_schedule entry {entry_name!r}) is keyed by {keyed_by} "
+            f"and has no idempotency_window: every run gets the same key, so it runs once and "
+            f"then only replays the stored result for idempotency_ttl "
+            f"({cfg.idempotency_ttl:g} s). Set idempotency_window to its period (one run per "
+            "slot, however many beat instances publish it) or idempotency_key='task_id'"
+        )
+        log.warning("celery-idempotent: %s", message)
+        messages.append(message)
+    return messages
+
+
+def _check_beat_schedule_at_start(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is not None:
+        check_beat_schedule(app)
+
+
+celery_signals.celeryd_after_setup.connect(
+    _check_beat_schedule_at_start,
+    weak=False,
+    dispatch_uid="celery_idempotent.check_beat_schedule",
+)
 
 
 def _on_worker_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery_idempotent import _redis, keyspace
 from celery_idempotent._validate import check_count, check_duration
@@ -24,7 +24,7 @@ from celery_idempotent.exceptions import (
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 
-__all__ = ["RedisAtomicBackend", "RedisIdempotencyStore"]
+__all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
 
 log = logging.getLogger("celery_idempotent")
 
@@ -44,6 +44,21 @@ def _kombu() -> Any:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class PublishDecision(NamedTuple):
+    """What :meth:`RedisIdempotencyStore.check_publish` decided.
+
+    ``action``: ``"publish"`` (the marker is set, or the check could not decide: ``unchecked``),
+    ``"completed"`` (``record`` holds the stored result), ``"queued"`` (queued or running as
+    ``task_id``) or ``"mismatch"`` (queued or running with ``stored_fingerprint``).
+    """
+
+    action: str
+    task_id: str | None = None
+    record: IdempotencyRecord | None = None
+    stored_fingerprint: str | None = None
+    unchecked: bool = False
 
 
 class RedisIdempotencyStore:
@@ -124,6 +139,8 @@ class RedisIdempotencyStore:
                     f"{', '.join(binary)}; pass a client with decode_responses=False"
                 )
         self._commit = self.client.register_script(_redis.COMMIT)
+        self._publish = self.client.register_script(_redis.PUBLISH)
+        self._drop_queued = self.client.register_script(_redis.DROP_QUEUED)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -186,7 +203,7 @@ class RedisIdempotencyStore:
             created_at=record.created_at,
             serializer=self.serializer,
             fingerprint=record.fingerprint,
-            task_id=None,
+            task_id=record.task_id,
             data=data,
         )
 
@@ -243,6 +260,7 @@ class RedisIdempotencyStore:
                 fingerprint=fields.fingerprint,
                 created_at=fields.created_at,
                 fencing_token=fields.fencing_token,
+                task_id=fields.task_id,
             )
         except Exception as exc:
             raise RecordDecodeError(key, content_type, f"corrupt record: {exc}") from exc
@@ -287,6 +305,42 @@ class RedisIdempotencyStore:
         """Delete the record under ``key``; ``True`` when there was one."""
         with _redis.translate_errors(key, "store delete"):
             return bool(self.client.delete(key))
+
+    # -- the publish side (IdempotentTask.apply_async) --------------------------------------
+
+    def check_publish(
+        self,
+        record: str,
+        lock: str,
+        task_id: str,
+        fingerprint: str | None,
+        publish_ttl: float,
+    ) -> PublishDecision:
+        """Decide a publish in one round trip (the ``PUBLISH`` script): set the queued marker
+        for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`)."""
+        args: list[Any] = [task_id, fingerprint or "", _redis.ms(publish_ttl)]
+        with _redis.translate_errors(record, "publish check"):
+            reply = self._publish(keys=[record, lock], args=args)
+        status = int(reply[0])
+        if status == 1:
+            return PublishDecision("publish")
+        if status == 2:
+            stored = self.decode(record, reply[1])
+            return PublishDecision("completed", stored.task_id, stored, stored.fingerprint)
+        if status == 3:
+            stored = self.decode_v1(record, reply[1:])
+            return PublishDecision("completed", None, stored, stored.fingerprint)
+        if status == 5:
+            return PublishDecision("mismatch", _text(reply[1]), None, _text(reply[2]))
+        if status == 6:
+            return PublishDecision("queued", _text(reply[1]))
+        return PublishDecision("publish", unchecked=True)
+
+    def drop_queued(self, record: str, task_id: str) -> bool:
+        """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
+        (committed since, expired, or another call's)."""
+        with _redis.translate_errors(record, "queued marker delete"):
+            return bool(self._drop_queued(keys=[record], args=[task_id]))
 
     # -- pairing ----------------------------------------------------------------------------
 

@@ -1,0 +1,253 @@
+"""Duplicates stopped at publish (issue 12), with real workers, a real Redis broker and two real
+``celery beat`` processes.
+
+The app is ``apps/publish_app.py``: its queue is a Redis list under the session prefix, so a
+test counts the messages in the broker with ``LLEN`` while no worker consumes them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from celery import chain, chord, group
+from celery.result import AsyncResult, EagerResult
+from servers import delete_keys_with_prefix
+from workers import WorkerGroup, start_workers
+
+from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError
+from celery_idempotent import settings as idem_settings
+from celery_idempotent.task import reset_backends
+
+pytestmark = pytest.mark.redis
+
+APPS_DIR = Path(__file__).resolve().parent / "apps"
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def pub_env(redis_url: str) -> Iterator[dict[str, str]]:
+    session = uuid.uuid4().hex[:10]
+    env = {
+        "PUB_REDIS_URL": redis_url,
+        "PUB_PREFIX": f"test:pub-{session}:",
+        "PUB_QUEUE": f"pub-{session}",
+    }
+    yield env
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        delete_keys_with_prefix(client, env["PUB_PREFIX"])
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def pub(pub_env: dict[str, str]) -> Iterator[ModuleType]:
+    """The app module, loaded with this module's environment (a fresh import)."""
+    saved = {name: os.environ.get(name) for name in pub_env}
+    os.environ.update(pub_env)
+    sys.path.insert(0, str(APPS_DIR))
+    sys.modules.pop("publish_app", None)
+    try:
+        import publish_app
+
+        idem_settings.clear_cache()
+        reset_backends()
+        yield publish_app
+        publish_app.app.close()
+    finally:
+        sys.modules.pop("publish_app", None)
+        sys.path.remove(str(APPS_DIR))
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        idem_settings.clear_cache()
+        reset_backends()
+
+
+@pytest.fixture(scope="module")
+def start(pub_env: dict[str, str]) -> Iterator[Callable[..., WorkerGroup]]:
+    groups: list[WorkerGroup] = []
+
+    def factory(env: dict[str, str] | None = None, **options: Any) -> WorkerGroup:
+        options.setdefault("pool", "prefork")
+        options.setdefault("concurrency", 2)
+        options.setdefault("queues", [pub_env["PUB_QUEUE"]])
+        group = start_workers(
+            1, "publish_app", env={**pub_env, **(env or {})}, pythonpath=[APPS_DIR], **options
+        )
+        groups.append(group)
+        return group
+
+    yield factory
+    for made in groups:
+        made.stop()
+        for each in made:
+            each.remove_log()
+
+
+@pytest.fixture(scope="module")
+def worker(start: Callable[..., WorkerGroup]) -> Iterator[WorkerGroup]:
+    group = start()
+    yield group
+    group.stop()
+
+
+def queued(pub: ModuleType) -> int:
+    """Messages waiting in the broker's queue."""
+    return int(pub.client().llen(f"{pub.PREFIX}kombu:{pub.QUEUE}"))
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+# --------------------------------------------------------------------------- one message
+
+
+def test_ten_publishes_make_one_message_one_execution_then_replays_at_publish(
+    pub: ModuleType, start: Callable[..., WorkerGroup]
+) -> None:
+    t = tag()
+    before = queued(pub)
+    results = [pub.charge.delay(t, 5) for _ in range(10)]
+    assert queued(pub) == before + 1  # one message in the broker, no worker yet
+    assert len({r.id for r in results}) == 1  # ten result objects, one task id
+    assert all(isinstance(r, AsyncResult) for r in results)
+    first = results[0]
+
+    group = start()
+    try:
+        value = first.get(timeout=TIMEOUT)
+        assert value == {"tag": t, "amount": 5, "run": 1}
+        assert [r.get(timeout=TIMEOUT) for r in results[1:]] == [value] * 9
+        assert pub.count("charge", t) == 1  # one execution
+
+        # Completed: no message, the stored value at once, under the first task's id.
+        before = queued(pub)
+        again = pub.charge.apply_async((t, 5))
+        assert isinstance(again, EagerResult)
+        assert again.id == first.id
+        assert again.get(timeout=0) == value
+        time.sleep(0.3)
+        assert queued(pub) == before
+        assert pub.count("charge", t) == 1
+
+        # The same key with other arguments fails at the caller, queued or completed.
+        order = tag()
+        pub.ship.delay(order, "Main St", 1.0)
+        with pytest.raises(IdempotencyMismatchError) as caught:
+            pub.ship.delay(order, "Elm St", 1.0)  # queued or running
+        assert caught.value.key == f"pub.ship:key:order:{order}"
+        done = pub.ship.delay(order, "Main St", 1.0)
+        assert done.get(timeout=TIMEOUT) == f"{order} to Main St"
+        with pytest.raises(IdempotencyMismatchError):
+            pub.ship.delay(order, "Elm St", 1.0)  # completed
+        assert pub.count("ship", order) == 1
+    finally:
+        group.stop()
+
+
+def test_raise_policy_and_publish_policy(pub: ModuleType, worker: WorkerGroup) -> None:
+    t = tag()
+    first = pub.charge.delay(t, 1)
+    with pytest.raises(DuplicatePublishError) as caught:
+        pub.charge.apply_async((t, 1), idempotency_on_duplicate_publish="raise")
+    assert caught.value.task_id == first.id
+    assert caught.value.key is not None
+    # "publish": published anyway, under its own id; the worker's guard replays.
+    other = pub.charge.apply_async((t, 1), idempotency_on_duplicate_publish="publish")
+    assert other.id != first.id
+    assert other.get(timeout=TIMEOUT) == first.get(timeout=TIMEOUT)
+    assert pub.count("charge", t) == 1
+
+
+def test_send_task_publishes_as_today(pub: ModuleType, worker: WorkerGroup) -> None:
+    t = tag()
+    first = pub.charge.delay(t, 2)
+    sent = pub.app.send_task("pub.charge", (t, 2))  # no task class: no publish-side check
+    assert sent.id != first.id
+    assert sent.get(timeout=TIMEOUT) == first.get(timeout=TIMEOUT)
+    assert pub.count("charge", t) == 1
+
+
+# --------------------------------------------------------------------------- go through
+
+
+def test_retry_and_the_librarys_requeue_go_through(pub: ModuleType, worker: WorkerGroup) -> None:
+    t = tag()
+    assert pub.flaky.delay(t).get(timeout=TIMEOUT) == f"{t} after 1 retry"
+    assert pub.count("flaky", t) == 2  # the retry (same task id as the marker) was published
+
+    # A duplicate delivered while the first body runs (send_task: no publish-side check) is
+    # re-queued by the library until the first commits, then replays.
+    order = tag()
+    first = pub.ship.apply_async((order, "Main St"), {"hold": 1.5})
+    time.sleep(0.5)
+    duplicate = pub.app.send_task("pub.ship", (order, "Main St"), {"hold": 1.5})
+    assert duplicate.get(timeout=TIMEOUT) == first.get(timeout=TIMEOUT) == f"{order} to Main St"
+    assert pub.count("ship", order) == 1
+
+
+def test_chain_group_and_chord_of_duplicates_complete(pub: ModuleType, worker: WorkerGroup) -> None:
+    x = int(uuid.uuid4().int % 10**6)
+    assert chain(pub.add.s(x, 1), pub.add.s(2)).apply_async().get(timeout=TIMEOUT) == x + 3
+    assert (
+        group(pub.add.s(x, 5) for _ in range(3)).apply_async().get(timeout=TIMEOUT) == [x + 5] * 3
+    )
+    assert pub.count("add", x, 5) == 1  # published three times, run once, replayed twice
+    header = [pub.add.s(x, 7) for _ in range(3)]
+    assert chord(header)(pub.total.s()).get(timeout=TIMEOUT) == 3 * (x + 7)
+    assert pub.count("add", x, 7) == 1
+
+
+def test_a_failed_body_ends_its_marker(pub: ModuleType, worker: WorkerGroup) -> None:
+    t = tag()
+    first = pub.fails.delay(t)
+    with pytest.raises(ValueError, match="failed"):
+        first.get(timeout=TIMEOUT)
+    again = pub.fails.delay(t)  # published again: the failure stored nothing
+    assert again.id != first.id
+    with pytest.raises(ValueError, match="failed"):
+        again.get(timeout=TIMEOUT)
+    assert pub.count("fails", t) == 2
+
+
+def test_a_purged_queue_blocks_the_key_for_publish_ttl_only(
+    pub: ModuleType, start: Callable[..., WorkerGroup]
+) -> None:
+    t = tag()
+    queue = f"{pub.QUEUE}-purged"  # no worker consumes it until the end
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    charge_class = type(pub.app.tasks["pub.charge"])
+    charge_class.idempotency_publish_ttl = 1.5  # a task option (read from the class)
+    idem_settings.clear_cache()
+    try:
+        lost = pub.charge.apply_async((t, 9), queue=queue)
+        assert pub.client().llen(broker_list) == 1
+        pub.client().delete(broker_list)  # the broker lost the message (a purge)
+        assert pub.charge.apply_async((t, 9), queue=queue).id == lost.id  # still "queued"
+        assert pub.client().llen(broker_list) == 0
+        time.sleep(1.7)  # idempotency_publish_ttl
+        resent = pub.charge.apply_async((t, 9), queue=queue)
+        assert resent.id != lost.id
+        assert pub.client().llen(broker_list) == 1
+    finally:
+        charge_class.idempotency_publish_ttl = None
+        idem_settings.clear_cache()
+    group = start(queues=[queue])
+    try:
+        assert resent.get(timeout=TIMEOUT)["run"] == 1
+    finally:
+        group.stop()
