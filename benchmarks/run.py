@@ -151,6 +151,7 @@ def targets(
     micro: dict[str, Any] | None,
     e2e: dict[str, Any] | None,
     memory: dict[str, Any] | None = None,
+    publish: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
@@ -243,6 +244,22 @@ def targets(
                 f"{ours['bytes_per_key']} / {theirs['bytes_per_key']} bytes (INFO memory "
                 f"used_memory delta over {ours['keys']:,} keys each)",
             )
+    if publish:
+        add(
+            "round trips of the publish-side check",
+            publish["idempotency_round_trips_per_publish"],
+            1,
+            "",
+            "counted at the idempotency client, per apply_async",
+        )
+        add(
+            "publish throughput with the check vs plain apply_async",
+            publish["ratio"],
+            0.8,
+            "×",
+            f"{publish['idempotent_per_s']:,} / {publish['plain_per_s']:,} publishes/s",
+            at_most=False,
+        )
     if e2e and "tasks_per_second" in e2e:
         tps = e2e["tasks_per_second"]
         for label, kind, short in (
@@ -341,6 +358,15 @@ def render(result: dict[str, Any]) -> str:
             f"get {mem['get_ops_per_s']:,}/s, RSS +{mem['rss_delta_mib']} MiB with "
             f"{mem['live_records_after']:,} records alive (peak {mem['peak_live_records']:,}); "
             f"{mem['bytes_per_live_record']} bytes per live record."
+        )
+    pub = result.get("publish")
+    if pub:
+        lines.append("")
+        lines.append(
+            f"Publish throughput ({pub['publishes_per_kind']:,} apply_async per kind to a queue no "
+            f"worker consumes): plain {pub['plain_per_s']:,}/s, IdempotentTask with the "
+            f"publish-side check {pub['idempotent_per_s']:,}/s ({pub['ratio']:.2f}×), "
+            f"{pub['idempotency_round_trips_per_publish']:g} idempotency round trip per publish."
         )
     costs = result.get("server_costs")
     if costs:
@@ -499,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
                 databases=(1, 2) if not args.redis_url else None,
             )
             result["redis_memory"]["key_examples"] = redis_memory.key_examples(prefix)
+        from benchmarks import publish
+
+        print("publish throughput ...", file=sys.stderr)
+        result["publish"] = publish.run(
+            url, prefix, rounds=2 if args.quick else 10, calls=20 if args.quick else 200
+        )
         from benchmarks import server_costs
 
         print("Redis server time, step by step ...", file=sys.stderr)
@@ -524,7 +556,10 @@ def main(argv: list[str] | None = None) -> int:
         result["loadavg_end"] = _loadavg()
         result["seconds"] = round(time.perf_counter() - started, 1)
         result["targets"] = targets(
-            result.get("per_call"), result.get("end_to_end"), result.get("redis_memory")
+            result.get("per_call"),
+            result.get("end_to_end"),
+            result.get("redis_memory"),
+            result.get("publish"),
         )
 
     print(render(result))

@@ -194,14 +194,19 @@ class KeyInfo:
     lease_fence: int | None = None
     #: The fence key's value (``None``: there is no fence key).
     fence_value: int | None = None
+    #: The task id of the call a queued marker stands for (published, not committed yet).
+    queued_task_id: str | None = None
 
     @property
     def state(self) -> str:
-        """``"completed"``, ``"in_progress"`` or ``"absent"``."""
+        """``"completed"``, ``"in_progress"``, ``"queued"`` (published, its body not started)
+        or ``"absent"``."""
         if self.record is not None:
             return "completed"
         if self.lock_token is not None:
             return "in_progress"
+        if self.queued_task_id is not None:
+            return "queued"
         return "absent"
 
     @property
@@ -241,6 +246,7 @@ class KeyInfo:
                 "ttl": self.lock_ttl,
             },
             "fence": {"name": self.fence_name, "last": self.last_fence, "ttl": self.fence_ttl},
+            "queued": None if self.queued_task_id is None else {"task_id": self.queued_task_id},
         }
 
 
@@ -262,8 +268,10 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     record: dict[str, Any] | None = None
     layout: str | None = None
     raw: Any = None
+    queued: tuple[str, str | None] | None = None
     if kind == "string" and rec is not None:
         value = rec.encode("utf-8", "surrogateescape") if isinstance(rec, str) else bytes(rec)
+        queued = keyspace.parse_queued(value)
         try:
             fields = keyspace.decode_record(value, rname)
         except ValueError:
@@ -323,6 +331,7 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
         layout=layout,
         lease_fence=lease_fence,
         fence_value=fence_key,
+        queued_task_id=None if queued is None else queued[0],
     )
 
 
@@ -740,8 +749,15 @@ def _decode_result(target: Target, info: KeyInfo) -> tuple[Any, str | None]:
 def _print_key(
     info: KeyInfo, now: float, *, show_result: bool, result: Any, error: str | None
 ) -> None:
-    states = {"completed": "completed", "in_progress": "in progress (locked)", "absent": "absent"}
+    states = {
+        "completed": "completed",
+        "in_progress": "in progress (locked)",
+        "queued": "queued (published, not run yet)",
+        "absent": "absent",
+    }
     rows: list[tuple[str, str]] = [("key", info.key), ("state", states[info.state])]
+    if info.queued_task_id is not None:
+        rows.append(("queued as", f"task {info.queued_task_id}"))
     rec = info.record
     if rec is not None:
         rows += [
@@ -899,7 +915,7 @@ def _forget_one(
         "refused": None,
     }
     plan: list[str] = []
-    if info.record is not None:
+    if info.record is not None or info.queued_task_id is not None:
         plan.append(info.record_name)
     if info.lock_token is not None:
         if not force:
@@ -947,7 +963,7 @@ def _forget_one(
             "1" if include_fences else "0",
         ],
     )
-    if info.record is not None and gone_record:
+    if (info.record is not None or info.queued_task_id is not None) and gone_record:
         deleted.append(info.record_name)
     if info.lock_token is not None:
         if gone_lock:

@@ -345,10 +345,19 @@ def burst(order: Order, duplicates: int) -> list[list[Message]]:
 
 @dataclasses.dataclass
 class Published:
+    """What the clients sent: messages that reached the broker, and calls that
+    ``apply_async`` answered without publishing (the key was queued, running or done)."""
+
     messages: int = 0
     by_task: Counter[str] = dataclasses.field(default_factory=Counter)
     ids_by_key: dict[str, set[str]] = dataclasses.field(default_factory=lambda: defaultdict(set))
     all_ids: set[str] = dataclasses.field(default_factory=set)
+    stopped: int = 0
+    stopped_by_task: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: key -> the result objects of stopped calls (each must give the key's one result)
+    stopped_results: dict[str, list[Any]] = dataclasses.field(
+        default_factory=lambda: defaultdict(list)
+    )
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def add(self, message: Message) -> None:
@@ -357,6 +366,12 @@ class Published:
             self.by_task[message.task] += 1
             self.ids_by_key[message.key].add(message.task_id)
             self.all_ids.add(message.task_id)
+
+    def add_stopped(self, message: Message, result: Any) -> None:
+        with self.lock:
+            self.stopped += 1
+            self.stopped_by_task[message.task] += 1
+            self.stopped_results[message.key].append(result)
 
 
 class Demo:
@@ -370,6 +385,8 @@ class Demo:
         self.workers: list[Worker] = []
         self.pool_pids: set[int] = set()
         self.stop = threading.Event()
+        self.conflicts_sent = 0
+        self.refused_at_publish = 0
         self.published = Published()
         self.kills: list[dict[str, Any]] = []
         self.acked_after_kill = 0
@@ -483,9 +500,15 @@ class Demo:
     # -- load ------------------------------------------------------------------------------
 
     def send(self, message: Message) -> Any:
+        """Publish ``message``; ``apply_async`` publishes nothing for a key that is already
+        queued, running or done (its result has the first call's task id, not ours)."""
         task = getattr(self.tasks, message.task)
-        self.published.add(message)
-        return task.apply_async(message.args, task_id=message.task_id, headers=message.headers)
+        result = task.apply_async(message.args, task_id=message.task_id, headers=message.headers)
+        if result.id == message.task_id:
+            self.published.add(message)
+        else:
+            self.published.add_stopped(message, result)
+        return result
 
     def run_bursts(self, orders: list[Order]) -> None:
         """One thread per duplicate; for each order they publish their copies together."""
@@ -673,6 +696,7 @@ class Demo:
 
         # Conflicts, once the originals are stored: the same key with another payload.
         conflicts = []
+        refused = 0
         for i, order in enumerate(mismatch_orders):
             if i % 2 == 0:  # the same order charged another amount
                 args: tuple[Any, ...] = (order.order_id, order.amount_cents + 100, "EUR")
@@ -682,9 +706,13 @@ class Demo:
                 args = (order.order_id, order.customer_id, cart)
                 header = {"idempotency_key": f"checkout-{order.order_id}"}
                 message = Message("create_order", args, str(uuid.uuid4()), "conflict", header)
-            conflicts.append(self.send(message))
+            self.conflicts_sent += 1
+            try:
+                conflicts.append(self.send(message))
+            except IdempotencyMismatchError:
+                refused += 1  # refused at publish, synchronously
+                self.refused_at_publish += 1
         self.wait_finished(self.published.messages, "the conflicting requests")
-        refused = 0
         for result in conflicts:
             result.get(timeout=30, propagate=False)
             if result.failed() and isinstance(result.result, IdempotencyMismatchError):
@@ -704,6 +732,7 @@ class Demo:
         amounts = {o.order_id: o.amount_cents for o in orders}
         wrong_amounts = sum(1 for c in charges if amounts.get(c["order_id"]) != c["amount_cents"])
         expected_keys = {key for key in self.published.ids_by_key if key != "conflict"}
+        expected_keys |= {k for k in self.published.stopped_results if k != "conflict"}
         inconsistent = self._inconsistent_results(expected_keys)
         self._refresh_pool_pids()
         executions = sum(effects.values())
@@ -723,12 +752,15 @@ class Demo:
             "deliveries": stats.get("deliveries", 0),
             "bodies_started": stats.get("bodies", 0),
             "executions": executions,
-            "replays": stats.get("replays", 0),
+            "replays": stats.get("replays", 0),  # absorbed at run time
             "requeued_while_key_held": retries - stats.get("mail_retries", 0),
             "lock_contention": stats.get("contention", 0),
             "mail_retries": stats.get("mail_retries", 0),
-            "mismatches_sent": len(self.published.ids_by_key.get("conflict", ())),
+            "mismatches_sent": self.conflicts_sent,
+            "stopped_at_publish": self.published.stopped,
+            "stopped_at_publish_by_task": dict(self.published.stopped_by_task),
             "mismatches_refused": refused,
+            "mismatches_refused_at_publish": self.refused_at_publish,
             "double_executions": len(doubles),
             "extra_executions": sum(v - 1 for v in doubles.values()),
             "doubled_keys": sorted(doubles)[:20],
@@ -786,6 +818,10 @@ class Demo:
                 json.dumps(values[i], sort_keys=True, default=repr)
                 for i in self.published.ids_by_key[key]
             }
+            # A call stopped at publish got the first call's result object: the same value.
+            for result in self.published.stopped_results.get(key, ()):
+                value = result.get(timeout=60, propagate=False)
+                seen.add(json.dumps(value, sort_keys=True, default=repr))
             bad += len(seen) != 1
         return bad
 
@@ -892,10 +928,14 @@ def render(summary: dict[str, Any], cleanup: dict[str, Any]) -> str:
         ),
         row("orders", f"{s['orders']} ({s['duplicates_per_message']} copies of every message)"),
         row("messages published", f"{s['messages_published']} ({by_task})"),
+        row(
+            "duplicates stopped at publish",
+            f"{s['stopped_at_publish']} (no message: the key was queued, running or done)",
+        ),
         row("deliveries run by workers", f"{s['deliveries']} (with requeues and redeliveries)"),
         row("distinct keys", s["distinct_keys"]),
         row("executions (side effects)", s["executions"]),
-        row("replays (stored result)", s["replays"]),
+        row("replays at run time (redeliveries, same task id)", s["replays"]),
         row(
             "requeued while key held",
             f"{s['requeued_while_key_held']} (lock contention events: {s['lock_contention']})",

@@ -8,6 +8,7 @@ test counts the messages in the broker with ``LLEN`` while no worker consumes th
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -22,7 +23,7 @@ from celery.result import AsyncResult, EagerResult
 from servers import delete_keys_with_prefix
 from workers import WorkerGroup, start_workers
 
-from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError
+from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError, keyspace
 from celery_idempotent import settings as idem_settings
 from celery_idempotent.task import reset_backends
 
@@ -251,3 +252,120 @@ def test_a_purged_queue_blocks_the_key_for_publish_ttl_only(
         assert resent.get(timeout=TIMEOUT)["run"] == 1
     finally:
         group.stop()
+
+
+# --------------------------------------------------------------------------- schedule slots
+
+
+def _beat(pub_env: dict[str, str], tmp: Path, name: str, extra: dict[str, str]) -> Any:
+    env = {
+        **os.environ,
+        **pub_env,
+        **extra,
+        "PYTHONPATH": os.pathsep.join([str(APPS_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "publish_app",
+            "beat",
+            "--loglevel=INFO",
+            "-s",
+            str(tmp / f"{name}-schedule"),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=str(tmp),
+    )
+    process.log_file = log  # type: ignore[attr-defined]
+    return process
+
+
+def _stop(process: Any) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
+    process.log_file.close()
+
+
+def test_two_beats_run_a_periodic_task_once_per_slot(
+    pub: ModuleType,
+    pub_env: dict[str, str],
+    start: Callable[..., WorkerGroup],
+    tmp_path: Path,
+) -> None:
+    """Two ``celery beat`` processes, a 2 s schedule and ``idempotency_window=2`` for 20 s:
+    every slot runs once, none is missed."""
+    beat_env = {"PUB_BEAT": "2"}
+    pub.client().delete(f"{pub.PREFIX}fx:ticks")
+    group = start(env=beat_env)
+    beats = []
+    try:
+        beats.append(_beat(pub_env, tmp_path, "beat-1", beat_env))
+        time.sleep(1.0)  # the second beat fires half a slot later than the first
+        beats.append(_beat(pub_env, tmp_path, "beat-2", beat_env))
+        time.sleep(20)
+    finally:
+        for process in beats:
+            _stop(process)
+    time.sleep(2.5)  # the last published ticks run
+    group.stop()
+    logs = [(tmp_path / f"beat-{n}.log").read_text() for n in (1, 2)]
+    sent = [log.count("Scheduler: Sending due task tick") for log in logs]
+    ticks = [
+        entry.decode().split("|") for entry in pub.client().lrange(f"{pub.PREFIX}fx:ticks", 0, -1)
+    ]
+    slots = [int(slot) for slot, _ in ticks]
+    assert all(n >= 8 for n in sent), (sent, logs)  # both beats published every 2 s
+    assert len(slots) == len(set(slots)), f"a slot ran twice: {sorted(slots)}"
+    assert sorted(slots) == list(range(min(slots), max(slots) + 2, 2)), f"missed: {sorted(slots)}"
+    assert len(slots) >= 9
+    assert sum(sent) > len(slots) + 5  # the other beat's publishes were stopped
+
+
+def test_a_periodic_task_whose_key_collapses_its_runs_is_warned_about(
+    start: Callable[..., WorkerGroup],
+) -> None:
+    group = start(env={"PUB_BEAT": "2", "PUB_NO_WINDOW": "1"}, pool="solo")
+    try:
+        log = group[0].log()
+    finally:
+        group.stop()
+    assert "periodic task pub.tick (beat_schedule entry 'tick') is keyed by its arguments" in log
+    assert "idempotency_window" in log
+
+
+def test_inspect_shows_a_queued_key_and_forget_clears_it(pub: ModuleType) -> None:
+    import json
+
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_idempotent.cli import idempotency
+
+    def cli(*args: str) -> Any:
+        obj = CLIContext(app=pub.app, no_color=True, workdir=None)
+        result = CliRunner().invoke(idempotency, list(args), obj=obj)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    t = tag()
+    queue = f"{pub.QUEUE}-inspect"  # no worker: the key stays queued
+    first = pub.charge.apply_async((t, 3), queue=queue)
+    doc = cli("inspect", "--task", "pub.charge", "--args", json.dumps([t, 3]), "--json")
+    assert doc["state"] == "queued"
+    assert doc["queued"] == {"task_id": first.id}
+    assert doc["record"] is None
+    gone = cli("forget", "--task", "pub.charge", "--args", json.dumps([t, 3]), "--yes", "--json")
+    record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 3), {}))
+    assert gone["deleted"] == [record]
+    assert pub.charge.apply_async((t, 3), queue=queue).id != first.id  # published again
+    pub.client().delete(f"{pub.PREFIX}kombu:{queue}")

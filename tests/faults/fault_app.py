@@ -137,6 +137,8 @@ def make_app(
         idempotency_lock_ttl=lock_ttl,
         idempotency_retry_count=2,
         idempotency_retry_base_delay=0.05,
+        # The faults hit the run-time guard: every message published must reach a worker.
+        idempotency_on_duplicate_publish="publish",
     )
     marks = Marks(marks_url, ns)
 

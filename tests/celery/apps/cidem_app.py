@@ -49,6 +49,9 @@ def configure(target: Celery, env: Mapping[str, str]) -> None:
         "worker_prefetch_multiplier": 1,
         "broker_connection_retry_on_startup": True,
         "idempotency_key_prefix": f"{prefix}idem:",
+        # This app's suites test the run-time guard: duplicates must reach the workers
+        # (test_publish_side.py tests the publish side, with an app of its own).
+        "idempotency_on_duplicate_publish": "publish",
         "cidem_prefix": prefix,
         "cidem_counter_url": backend,
     }
