@@ -408,7 +408,11 @@ def queued_value(task_id: str, fingerprint: str | None) -> str:
 
 def parse_queued(value: bytes | str) -> tuple[str, str | None] | None:
     """``(task id, fingerprint)`` of a queued marker, or ``None`` when ``value`` is not one."""
-    text = value.decode("utf-8", "surrogatepass") if isinstance(value, bytes) else value
+    if isinstance(value, bytes):
+        if not value.startswith(QUEUED_HEAD.encode()):
+            return None
+        value = value.decode("utf-8", "surrogatepass")
+    text = value
     if not text.startswith(QUEUED_HEAD):
         return None
     task_id, _, fingerprint = text[len(QUEUED_HEAD) :].partition(SEP)

@@ -304,9 +304,10 @@ def test_two_beats_run_a_periodic_task_once_per_slot(
 ) -> None:
     """Two ``celery beat`` processes, a 2 s schedule and ``idempotency_window=2`` for 20 s:
     every slot runs once, none is missed."""
-    beat_env = {"PUB_BEAT": "2"}
+    queue = f"{pub.QUEUE}-beat"  # the other tests' worker (no window) must not take ticks
+    beat_env = {"PUB_BEAT": "2", "PUB_QUEUE": queue}
     pub.client().delete(f"{pub.PREFIX}fx:ticks")
-    group = start(env=beat_env)
+    group = start(env=beat_env, queues=[queue])
     beats = []
     try:
         beats.append(_beat(pub_env, tmp_path, "beat-1", beat_env))
@@ -369,3 +370,61 @@ def test_inspect_shows_a_queued_key_and_forget_clears_it(pub: ModuleType) -> Non
     assert gone["deleted"] == [record]
     assert pub.charge.apply_async((t, 3), queue=queue).id != first.id  # published again
     pub.client().delete(f"{pub.PREFIX}kombu:{queue}")
+
+
+def test_a_failed_publish_removes_its_marker_and_a_resend_goes_through(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Task
+
+    t = tag()
+    queue = f"{pub.QUEUE}-unconsumed"
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 4), {}))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("the broker is down")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Task, "apply_async", broken)
+        with pytest.raises(ConnectionError):
+            pub.charge.apply_async((t, 4), queue=queue)
+    assert not pub.client().exists(record)  # the marker went with the failed publish
+
+    first = pub.charge.apply_async((t, 4), queue=queue)
+    assert keyspace.parse_queued(pub.client().get(record)) == (
+        first.id,
+        pub.charge.idempotency_fingerprint_for((t, 4), {}),
+    )
+    # A client re-sending with the same task id publishes again (the marker is its own).
+    again = pub.charge.apply_async((t, 4), queue=queue, task_id=first.id)
+    assert again.id == first.id
+    assert pub.client().llen(broker_list) == 2
+    assert pub.charge.apply_async((t, 4), queue=queue).id == first.id  # another id: stopped
+    assert pub.client().llen(broker_list) == 2
+    pub.client().delete(broker_list, record)
+
+
+def test_the_slot_comes_from_the_header_else_the_eta_else_the_clock(pub: ModuleType) -> None:
+    from celery_idempotent.task import SLOT_HEADER
+
+    tick = pub.app.tasks["pub.tick"]
+    tick_class = type(tick)
+    tick_class.idempotency_window = 60
+    idem_settings.clear_cache()
+    try:
+        tick.push_request(id="a", headers={SLOT_HEADER: "120"})
+        assert tick.idempotency_key_for((), {}).endswith("@120")
+        tick.pop_request()
+        tick.push_request(id="b", headers={}, eta="1970-01-01T00:02:29+00:00")  # 149 s
+        assert tick.idempotency_key_for((), {}).endswith("@120")  # nearest multiple of 60
+        tick.pop_request()
+        tick.push_request(id="c", headers={})
+        now_slot = keyspace.slot_for(time.time(), 60)
+        assert tick.idempotency_key_for((), {}).endswith(f"@{now_slot}")
+        tick.pop_request()
+        assert keyspace.slot_for(89.9, 60) == "60"
+        assert keyspace.slot_for(90.1, 60) == "120"
+    finally:
+        tick_class.idempotency_window = None
+        idem_settings.clear_cache()

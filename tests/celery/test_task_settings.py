@@ -43,6 +43,9 @@ OTHER: dict[str, Any] = {
     "idempotency_retry_count": 0,
     "idempotency_retry_base_delay": 0.5,
     "idempotency_on_locked": "raise",
+    "idempotency_on_duplicate_publish": "raise",
+    "idempotency_publish_ttl": 30,
+    "idempotency_window": 300,
     "idempotency_wait_replicas": 1,
     "idempotency_wait_timeout": 0.25,
     "idempotency_key_prefix": "other:",
@@ -58,6 +61,9 @@ BAD: list[tuple[str, Any, type[Exception]]] = [
     ("idempotency_key", 5, TypeError),
     ("idempotency_key", "", TypeError),
     ("idempotency_fingerprint", "x", ValueError),  # one name: ("x",)
+    ("idempotency_on_duplicate_publish", "skip", ValueError),
+    ("idempotency_publish_ttl", 0, ValueError),
+    ("idempotency_window", -5, ValueError),
     ("idempotency_fingerprint", (), TypeError),
     ("idempotency_fingerprint", ("x", 3), TypeError),
     ("idempotency_fingerprint", ("x", "x"), ValueError),
@@ -160,6 +166,7 @@ def test_task_option_overrides_the_app(make_app: Callable[..., Celery], name: st
         "idempotency_url": "redis://127.0.0.1:6379/3",
         "idempotency_client": _other_client_factory,
         "idempotency_namespace": "other.namespace",  # None as an option: "not set"
+        "idempotency_window": 60,  # None as an option: "not set" (the app's window applies)
     }.get(name, DEFAULTS[name])
     task = plain_task(app, **{name: value})
     untouched = plain_task(app)

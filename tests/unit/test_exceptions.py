@@ -12,6 +12,7 @@ from celery.backends.base import BaseBackend
 
 from celery_idempotent import (
     CommitUnknownError,
+    DuplicatePublishError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -44,6 +45,8 @@ EXAMPLES = [
         IdempotencyKeyMissingError("<callable key_fn>", task="proj.charge"),
         {"task": "proj.charge", "field": None},
     ),
+    (DuplicatePublishError("k10", "tid-1"), {"key": "k10", "task_id": "tid-1"}),
+    (DuplicatePublishError("k10"), {"key": "k10", "task_id": None, "message": None}),
     (LockLostError("k5", {"charged": [1, 2]}), {"key": "k5", "result": {"charged": [1, 2]}}),
     (LockLostError("k5", None), {"key": "k5", "result": None}),
     (CommitUnknownError("k5", [3], "unconfirmed"), {"key": "k5", "result": [3]}),

@@ -61,13 +61,13 @@ def count(*parts: Any) -> int:
     return int(client().get(PREFIX + "fx:" + ":".join(map(str, parts))) or 0)
 
 
-@app.task(base=IdempotentTask, name="pub.charge")
+@app.task(base=IdempotentTask, shared=False, name="pub.charge")
 def charge(tag: str, amount: int) -> dict[str, Any]:
     """Keyed by its arguments."""
     return {"tag": tag, "amount": amount, "run": bump("charge", tag)}
 
 
-@app.task(base=IdempotentTask, name="pub.ship", idempotency_key="order:{order_id}")
+@app.task(base=IdempotentTask, shared=False, name="pub.ship", idempotency_key="order:{order_id}")
 def ship(order_id: str, address: str, hold: float = 0.0) -> str:
     """Keyed by the order: the same order to another address is a mismatch."""
     bump("ship", order_id)
@@ -75,7 +75,7 @@ def ship(order_id: str, address: str, hold: float = 0.0) -> str:
     return f"{order_id} to {address}"
 
 
-@app.task(base=IdempotentTask, name="pub.flaky", bind=True, max_retries=3)
+@app.task(base=IdempotentTask, shared=False, name="pub.flaky", bind=True, max_retries=3)
 def flaky(self: Any, tag: str) -> str:
     """Retries itself once (``self.retry()`` republishes with its own task id)."""
     if bump("flaky", tag) == 1:
@@ -83,26 +83,27 @@ def flaky(self: Any, tag: str) -> str:
     return f"{tag} after {self.request.retries} retry"
 
 
-@app.task(base=IdempotentTask, name="pub.fails")
+@app.task(base=IdempotentTask, shared=False, name="pub.fails")
 def fails(tag: str) -> None:
     """Fails for good: its queued marker ends with it."""
     bump("fails", tag)
     raise ValueError(f"{tag} failed")
 
 
-@app.task(base=IdempotentTask, name="pub.add")
+@app.task(base=IdempotentTask, shared=False, name="pub.add")
 def add(x: int, y: int) -> int:
     bump("add", x, y)
     return x + y
 
 
-@app.task(base=IdempotentTask, name="pub.total")
+@app.task(base=IdempotentTask, shared=False, name="pub.total")
 def total(values: list[int]) -> int:
     return sum(values)
 
 
 @app.task(
     base=IdempotentTask,
+    shared=False,
     name="pub.tick",
     idempotency_window=WINDOW,
     idempotency_ttl=120,
