@@ -20,6 +20,7 @@ from celery_idempotent.exceptions import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
@@ -41,6 +42,7 @@ from celery_idempotent.protocols import (
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 
 if TYPE_CHECKING:
+    from celery_idempotent.admin import IdempotencyStatus
     from celery_idempotent.locks.redis import RedisLockProvider
     from celery_idempotent.stores.redis import RedisIdempotencyStore
     from celery_idempotent.task import IdempotentTask
@@ -58,9 +60,11 @@ __all__ = [
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
     "IdempotencyError",
+    "IdempotencyKeyHeldError",
     "IdempotencyKeyMissingError",
     "IdempotencyMismatchError",
     "IdempotencyRecord",
+    "IdempotencyStatus",
     "IdempotencyStore",
     "IdempotentTask",
     "Lease",
@@ -80,6 +84,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "IdempotencyStatus": "celery_idempotent.admin",
     "RedisLockProvider": "celery_idempotent.locks.redis",
     "RedisIdempotencyStore": "celery_idempotent.stores.redis",
     "IdempotentTask": "celery_idempotent.task",

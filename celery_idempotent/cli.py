@@ -51,14 +51,22 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent import _redis
+from celery_idempotent.admin import (
+    KeyInfo,
+    forget_key,
+    forget_plan,
+    format_duration,
+    held_lock_reason,
+    read_key,
+)
 from celery_idempotent.exceptions import (
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     RecordDecodeError,
 )
 from celery_idempotent.keys import _HEAD as HEAD_CHARS
-from celery_idempotent.keys import MAX_READABLE_KEY, lock_resource, record_key
-from celery_idempotent.locks.redis import RedisLockProvider
+from celery_idempotent.keys import MAX_READABLE_KEY
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 
 if TYPE_CHECKING:
@@ -82,8 +90,6 @@ SHORTENED_MARK = "…#"
 DEFAULT_BATCH = 1000
 #: How many names a dry run or a summary lists.
 SAMPLE = 10
-#: The record fields ``inspect`` reads: everything but the payload itself.
-META_FIELDS = ("v", "ct", "enc", "fp", "at", "fence")
 
 
 # --------------------------------------------------------------------------- names
@@ -150,164 +156,6 @@ def _scan_pattern(prefix: str, task: str | None) -> str:
 
 def _decode_name(name: Any) -> str:
     return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
-
-
-def _ttl(pttl: Any) -> float | None:
-    """Seconds left from a PTTL reply; ``None`` for a missing key or one without expiry."""
-    value = int(pttl)
-    return value / 1000 if value >= 0 else None
-
-
-def _int(value: Any) -> int | None:
-    text = _text(value)
-    try:
-        return int(text) if text else None
-    except ValueError:
-        return None
-
-
-def format_duration(seconds: float | None) -> str:
-    """``850ms``, ``12.3s``, ``4m05s``, ``23h59m``, ``2d03h``; ``-`` for ``None``."""
-    if seconds is None:
-        return "-"
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-# --------------------------------------------------------------------------- reading one key
-
-
-@dataclass
-class KeyInfo:
-    """What Redis holds for one idempotency key, read in one round trip (one script).
-
-    ``state`` is ``"completed"`` (a record exists), ``"in_progress"`` (no record, the lock is
-    held) or ``"absent"``. The payload is not read unless asked for (``values``); ``size``
-    is its length in bytes (``HSTRLEN``).
-    """
-
-    key: str
-    record_name: str
-    lock_name: str
-    fence_name: str
-    record: dict[str, Any] | None
-    record_ttl: float | None
-    lock_token: str | None
-    lock_ttl: float | None
-    last_fence: int | None
-    fence_ttl: float | None
-    #: The raw values of ``RECORD_FIELDS``, payload included (only when read ``with_data``).
-    values: list[Any] = field(default_factory=list)
-
-    @property
-    def state(self) -> str:
-        """``"completed"``, ``"in_progress"`` or ``"absent"``."""
-        if self.record is not None:
-            return "completed"
-        if self.lock_token is not None:
-            return "in_progress"
-        return "absent"
-
-    @property
-    def holder(self) -> str | None:
-        """The owner id of the lock's holder (the token after ``@``), or ``None``."""
-        if self.lock_token is None:
-            return None
-        return self.lock_token.split("@", 1)[1] if "@" in self.lock_token else self.lock_token
-
-    def age(self, now: float) -> float | None:
-        """Seconds since the record was committed, by the committing worker's clock."""
-        at = (self.record or {}).get("committed_at")
-        # Records stamped by a custom (non-epoch) guard clock have no meaningful age.
-        if at is None or at < 1e9:
-            return None
-        return max(0.0, now - float(at))
-
-    def as_json(self, now: float) -> dict[str, Any]:
-        """A JSON-ready description (seconds as floats, ``None`` for what does not exist)."""
-        record = None
-        if self.record is not None:
-            record = {
-                "name": self.record_name,
-                **self.record,
-                "age": self.age(now),
-                "ttl": self.record_ttl,
-            }
-        return {
-            "key": self.key,
-            "task": task_of_slot(self.key),
-            "state": self.state,
-            "record": record,
-            "lock": {
-                "name": self.lock_name,
-                "held": self.lock_token is not None,
-                "holder": self.holder,
-                "ttl": self.lock_ttl,
-            },
-            "fence": {"name": self.fence_name, "last": self.last_fence, "ttl": self.fence_ttl},
-        }
-
-
-def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = False) -> KeyInfo:
-    """Read the record (without its payload unless ``with_data``), lock and fence of ``key``.
-
-    ``key`` is the namespaced key (``<task>:key:payment-42``); the names are derived as the
-    guard derives them. One script (``READ_KEY``): the three names share a hash slot, so this
-    also works on a Redis Cluster client (with any redis-py), and the view is consistent.
-    """
-    rname = record_key(prefix, key)
-    lname = lock_resource(prefix, key)
-    fname = RedisLockProvider.fence_key(lname)
-    fields = list(META_FIELDS) + (["data"] if with_data else [])
-    read = client.register_script(_redis.READ_KEY)
-    reply = read(keys=[rname, lname, fname], args=fields)
-    values, size, rttl, token, lttl, fence, fttl = reply
-    record: dict[str, Any] | None = None
-    meta = dict(zip(fields, values))
-    if any(v is not None for v in values):
-        at = _text(meta["at"])
-        try:
-            committed_at = float(at) if at else None
-        except ValueError:
-            committed_at = None
-        record = {
-            "version": _text(meta["v"]),
-            "content_type": _text(meta["ct"]),
-            "encoding": _text(meta["enc"]),
-            "size": int(size),
-            "fingerprint": _text(meta["fp"]) or None,
-            "committed_at": committed_at,
-            "fencing_token": _int(meta["fence"]),
-        }
-    return KeyInfo(
-        key=key,
-        record_name=rname,
-        lock_name=lname,
-        fence_name=fname,
-        record=record,
-        record_ttl=_ttl(rttl) if record is not None else None,
-        lock_token=_text(token),
-        lock_ttl=_ttl(lttl) if token is not None else None,
-        last_fence=_int(fence),
-        fence_ttl=_ttl(fttl) if fence is not None else None,
-        values=[meta.get(name) for name in _redis.RECORD_FIELDS] if with_data else [],
-    )
 
 
 # --------------------------------------------------------------------------- settings
@@ -834,16 +682,6 @@ def forget(
     )
 
 
-def _held_lock_reason(info: KeyInfo) -> str:
-    return (
-        f"the lock {info.lock_name} is held by {info.holder} (lease left "
-        f"{format_duration(info.lock_ttl)}): a delivery is running the body now, and deleting "
-        "its lock lets a duplicate run the body at the same time (the holder's result would "
-        "then not be stored: LockLostError). Wait for it to finish, or pass --force if the "
-        "holder is known to be dead (its lease expires by itself)."
-    )
-
-
 def _forget_one(
     ctx: click.Context,
     target: Target,
@@ -865,20 +703,15 @@ def _forget_one(
         "deleted": [],
         "refused": None,
     }
-    plan: list[str] = []
-    if info.record is not None:
-        plan.append(info.record_name)
-    if info.lock_token is not None:
-        if not force:
-            doc["refused"] = _held_lock_reason(info)
-            if as_json:
-                _emit_json(doc)
-            else:
-                click.echo(f"refused: {doc['refused']}", err=True)
-            ctx.exit(1)
-        plan.append(info.lock_name)
-    if include_fences and info.last_fence is not None:
-        plan.append(info.fence_name)
+    try:
+        plan = forget_plan(info, force=force, include_fences=include_fences)
+    except IdempotencyKeyHeldError:
+        doc["refused"] = held_lock_reason(info, force_hint="pass --force")
+        if as_json:
+            _emit_json(doc)
+        else:
+            click.echo(f"refused: {doc['refused']}", err=True)
+        ctx.exit(1)
     if not plan:
         if as_json:
             _emit_json(doc)
@@ -901,19 +734,13 @@ def _forget_one(
             abort=True,
             err=True,
         )
-    deleted: list[str] = []
-    if info.record is not None and target.client.delete(info.record_name):
-        deleted.append(info.record_name)
-    if info.lock_token is not None:
-        # Compare-and-delete with the token that was shown: a lease taken since (the shown
-        # one expired) is someone else's and stays.
-        release = target.client.register_script(_redis.RELEASE)
-        if release(keys=[info.lock_name], args=[info.lock_token]):
-            deleted.append(info.lock_name)
-        else:
-            doc["lock_changed"] = True
-    if include_fences and info.last_fence is not None and target.client.delete(info.fence_name):
-        deleted.append(info.fence_name)
+    # A held lock goes only if it is still the lease that was shown (compare-and-delete):
+    # a lease taken since is someone else's and stays.
+    deleted = list(
+        forget_key(target.client, info, force=force, include_fences=include_fences).deleted
+    )
+    if info.lock_token is not None and info.lock_name not in deleted:
+        doc["lock_changed"] = True
     doc["deleted"] = deleted
     if as_json:
         _emit_json(doc)
