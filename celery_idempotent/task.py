@@ -636,8 +636,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _failure_from(self, envelope: dict[str, Any]) -> BaseException:
         """The stored failure rebuilt as Celery's result backend rebuilds one: the same class
         with the same args; a stored name that is not an exception class is refused
-        (``SecurityError``), and nothing is imported."""
-        exc = self.backend.exception_to_python(envelope["exc"])
+        (``SecurityError``), and nothing is imported.
+
+        A class listed in ``idempotency_store_errors`` is taken from the list itself: Celery
+        looks classes up in ``sys.modules`` only, and a replay that does not run the body may
+        not have imported the module the body takes it from.
+        """
+        stored = envelope["exc"]
+        if isinstance(stored, dict):
+            wanted = (stored.get("exc_module"), stored.get("exc_type"))
+            for cls in self.idempotency_settings().idempotency_store_errors:
+                if (cls.__module__, cls.__qualname__) == wanted:
+                    message = stored.get("exc_message", ())
+                    args = message if isinstance(message, (list, tuple)) else (message,)
+                    try:
+                        return cls(*args)
+                    except Exception:  # as Celery: fall back to its own rebuild
+                        break
+        exc = self.backend.exception_to_python(stored)
         if not isinstance(exc, BaseException):  # pragma: no cover - Celery always gives one
             raise TypeError(f"stored failure of task {self.name} is not an exception: {exc!r}")
         return exc
