@@ -42,36 +42,45 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 class IdempotencySettings:
     """The resolved settings for one task. Field names are the setting names."""
 
-    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://`` or ``memory://``;
-    #: ``None`` here means "fall back to a Redis ``broker_url``".
+    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``, or ``memory://``
+    #: for one process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
+    #: master when it is a ``sentinel://`` URL (with ``broker_transport_options['master_name']``,
+    #: as kombu reads them), else an error that says so.
     idempotency_url: str | None = None
     #: a ready redis-py client (``redis.Redis``, a Sentinel ``master_for`` client,
     #: ``RedisCluster``) or a callable without arguments that returns one, called once per
-    #: worker process; used instead of ``idempotency_url`` (set one of the two, not both).
+    #: worker process: for Sentinel and Cluster, which a URL cannot describe. Set it or
+    #: ``idempotency_url``, not both (a task option beats the app's other setting).
     idempotency_client: Any = None
     #: ``"args"``, ``"task_id"``, a format string over the bound arguments, or a callable
     #: ``(task, args, kwargs) -> str``.
     idempotency_key: Any = "args"
     #: what must match between duplicates of one key: ``"args"`` (every bound argument), a
     #: tuple of argument names (only these; others, like a ``requested_at`` timestamp, may
-    #: differ), a callable ``(task, args, kwargs) -> str | None``, or ``None`` (no check).
+    #: differ), a callable ``(task, args, kwargs) -> str | None`` (its string is hashed before
+    #: it is stored; ``None`` skips the check for that call), or ``None`` (no check).
     idempotency_fingerprint: Any = "args"
-    #: a key whose format field is ``None`` (or a key callable that returns ``None``):
-    #: ``"raise"`` (``IdempotencyKeyMissingError``) or ``"run"`` (unguarded, one WARNING).
+    #: a key whose format field is ``None`` (``"user:{user_id}"`` with ``user_id=None``) or
+    #: whose callable returns ``None``: ``"raise"`` (``IdempotencyKeyMissingError``, the body
+    #: does not run) or ``"run"`` (run unguarded, one WARNING per call).
     idempotency_missing_key: str = "raise"
-    #: the namespace of the task's keys; ``None``: the task's name. Keys survive a rename when
-    #: it is fixed; two tasks share one only when both declare it.
+    #: the namespace of the task's keys; ``None``: the task's name. Fix it and the keys survive
+    #: a rename or a module move; two tasks share one only when both declare it (the worker
+    #: warns at start otherwise).
     idempotency_namespace: str | None = None
     #: exception classes whose failure is stored like a result and raised again (same class,
-    #: same args) to every duplicate within ``idempotency_ttl``.
+    #: same args) to every duplicate within ``idempotency_ttl``; the body does not run again.
+    #: ``Retry``, ``Ignore``, ``Reject``, time limits and this library's errors are never
+    #: stored.
     idempotency_store_errors: tuple[type[Exception], ...] = ()
     #: seconds a committed result is kept.
     idempotency_ttl: float = 86_400
-    #: lease seconds; renewed while the body runs.
+    #: lease seconds; renewed every third of it while the body runs.
     idempotency_lock_ttl: float = 10
     #: lock attempts after the first, inside one delivery.
     idempotency_retry_count: int = 3
-    #: back-off base between those attempts, seconds.
+    #: back-off base in seconds between those attempts: ``base * 2**i + uniform(0, base)``
+    #: before attempt ``i + 1``.
     idempotency_retry_base_delay: float = 0.1
     #: what a delivery that finds the key still held does: ``"retry"`` (re-queue with a
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
@@ -79,11 +88,14 @@ class IdempotencySettings:
     #: ``Reject(requeue=False)``: a broker's dead-letter exchange takes the duplicate).
     idempotency_on_locked: str = "retry"
     #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
-    #: before it counts; 0: do not wait. For Sentinel setups, see the README.
+    #: before it counts; 0: do not wait. For Sentinel setups, see "Sentinel and Redis
+    #: Cluster" in the docs.
     idempotency_wait_replicas: int = 0
-    #: seconds ``WAIT`` may block for ``idempotency_wait_replicas``.
+    #: seconds ``WAIT`` may block for ``idempotency_wait_replicas`` (shorter than
+    #: ``idempotency_lock_ttl``): a claim that misses its replicas is given back and the
+    #: delivery re-queued; a commit is sent again until confirmed or ``lock_ttl`` passes.
     idempotency_wait_timeout: float = 1.0
-    #: namespace of every Redis key.
+    #: namespace of every Redis key (no braces: they are Redis Cluster hash tags).
     idempotency_key_prefix: str = "idempotency:"
     #: kill switch: ``False`` runs tasks plainly, without any guard.
     idempotency_enabled: bool = True

@@ -211,6 +211,9 @@ class IdempotencyTester:
         self._tasks: dict[int, tuple[Any, dict[str, Any], Any]] = {}
         self._lock = threading.Condition()
         self._executions: dict[int, int] = {}
+        # task -> (entered, release, timeout): the next body of that task sets ``entered`` and
+        # waits for ``release`` (another delivery found the key held) before it runs.
+        self._holds: dict[int, tuple[threading.Event, threading.Event, float]] = {}
         self._finished: dict[str, list[tuple[str, Any]]] = {}
         self._listening = False
 
@@ -268,6 +271,7 @@ class IdempotencyTester:
         own_run = task.__dict__.get("run", _UNSET)
         run = task.run
         counts = self._executions
+        holds = self._holds
         lock = self._lock
         key = id(task)
         counts[key] = 0
@@ -276,6 +280,11 @@ class IdempotencyTester:
         def counted(*args: Any, **kwargs: Any) -> Any:
             with lock:
                 counts[key] += 1
+                hold = holds.pop(key, None)
+            if hold is not None:
+                entered, release, timeout = hold
+                entered.set()
+                release.wait(timeout)
             return run(*args, **kwargs)
 
         task.run = counted
@@ -352,13 +361,27 @@ class IdempotencyTester:
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
         *,
+        while_running: bool = False,
         timeout: float = 10.0,
     ) -> TwoDeliveries:
         """Deliver the same message twice (one task id), as a broker does after a worker died
         with the message unacknowledged, or when a visibility timeout ran out; assert that the
-        body ran once and that both callers got the same result."""
+        body ran once and that both callers got the same result.
+
+        With ``while_running=True`` the second delivery arrives while the first one's body
+        runs (the body is held until the second has found the key held), as when a visibility
+        timeout runs out under a long task: it must wait, then get the stored result.
+        """
         task_id = str(uuid.uuid4())
-        return self._twice(task, args, kwargs, ids=(task_id, task_id), key=None, timeout=timeout)
+        return self._twice(
+            task,
+            args,
+            kwargs,
+            ids=(task_id, task_id),
+            key=None,
+            while_running=while_running,
+            timeout=timeout,
+        )
 
     def deliver_twice(
         self,
@@ -367,13 +390,17 @@ class IdempotencyTester:
         kwargs: Mapping[str, Any] | None = None,
         *,
         key: str | None = None,
+        while_running: bool = False,
         timeout: float = 10.0,
     ) -> TwoDeliveries:
         """Publish two messages with the same arguments and new task ids (a retried publish,
         a double click), with an explicit ``idempotency_key`` header when ``key`` is given;
-        assert that the body ran once and that both callers got the same result."""
+        assert that the body ran once and that both callers got the same result.
+        ``while_running`` as for :meth:`redeliver`."""
         ids = (str(uuid.uuid4()), str(uuid.uuid4()))
-        return self._twice(task, args, kwargs, ids=ids, key=key, timeout=timeout)
+        return self._twice(
+            task, args, kwargs, ids=ids, key=key, while_running=while_running, timeout=timeout
+        )
 
     def _twice(
         self,
@@ -383,11 +410,15 @@ class IdempotencyTester:
         *,
         ids: tuple[str, str],
         key: str | None,
+        while_running: bool,
         timeout: float,
     ) -> TwoDeliveries:
         before = self.executions(task)
-        first = self.deliver(task, args, kwargs, task_id=ids[0], key=key, timeout=timeout)
-        second = self.deliver(task, args, kwargs, task_id=ids[1], key=key, timeout=timeout)
+        if while_running:
+            first, second = self._overlapping(task, args, kwargs, ids=ids, key=key, timeout=timeout)
+        else:
+            first = self.deliver(task, args, kwargs, task_id=ids[0], key=key, timeout=timeout)
+            second = self.deliver(task, args, kwargs, task_id=ids[1], key=key, timeout=timeout)
         ran = self.executions(task) - before
         name = _current(task).name
         if ran != 1:
@@ -401,6 +432,71 @@ class IdempotencyTester:
             )
         record = self.stored(task, args, kwargs, key=key, task_id=ids[0])
         return TwoDeliveries(ids, (first, second), ran, record)
+
+    def _overlapping(
+        self,
+        task: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        *,
+        ids: tuple[str, str],
+        key: str | None,
+        timeout: float,
+    ) -> tuple[Any, Any]:
+        """Two deliveries on two threads, the second while the first one's body runs."""
+        if self.through_worker:
+            raise ValueError(
+                "while_running=True applies the deliveries eagerly, on two threads; through a "
+                "worker, publish both with deliver() to a worker of concurrency 2 or more"
+            )
+        from celery_idempotent import signals  # noqa: PLC0415
+
+        task = _current(task)
+        entered, release, held = threading.Event(), threading.Event(), threading.Event()
+
+        def contended(sender: Any = None, **_: Any) -> None:
+            if _current(sender) is task:
+                held.set()
+                release.set()
+
+        outcomes: list[tuple[bool, Any]] = [(False, None), (False, None)]
+
+        def deliver(index: int) -> None:
+            try:
+                value = self.deliver(task, args, kwargs, task_id=ids[index], key=key)
+            except BaseException as exc:  # handed to the test's thread below
+                outcomes[index] = (False, exc)
+            else:
+                outcomes[index] = (True, value)
+
+        signals.idempotency_contended.connect(contended, weak=False)
+        with self._lock:
+            self._holds[id(task)] = (entered, release, timeout)
+        first, second = (threading.Thread(target=deliver, args=(i,), daemon=True) for i in (0, 1))
+        try:
+            first.start()
+            if not entered.wait(timeout):
+                raise AssertionError(f"the first delivery of {task.name} never ran its body")
+            second.start()
+            second.join(timeout)
+            release.set()  # the second is done, or never waits: let the first body go on
+            first.join(timeout)
+            if first.is_alive() or second.is_alive():
+                raise TimeoutError(f"a delivery of {task.name} took longer than {timeout:g}s")
+        finally:
+            release.set()
+            signals.idempotency_contended.disconnect(contended)
+            with self._lock:
+                self._holds.pop(id(task), None)
+        for ok, value in outcomes:
+            if not ok:
+                raise value
+        if not held.is_set():
+            raise AssertionError(
+                f"the second delivery of {task.name} never found the key held while the first "
+                "one's body ran (is idempotency_enabled False, or the key per task id?)"
+            )
+        return outcomes[0][1], outcomes[1][1]
 
     def _eagerly(
         self,

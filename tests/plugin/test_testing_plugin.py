@@ -44,11 +44,12 @@ def test_the_sample_project_passes_with_only_the_plugins_public_api() -> None:
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     summary = out.strip().splitlines()[-1]
-    assert re.search(r"\b12 passed\b", summary), summary
+    assert re.search(r"\b13 passed\b", summary), summary
     assert not re.search(r"skipped|xfail|error|failed|warning", summary), summary
     # Each way of running it took part: eagerly, an in-process worker, worker processes.
     for name in (
         "test_eager.py::test_a_redelivered_charge_runs_once",
+        "test_eager.py::test_a_redelivery_while_the_charge_runs_waits_for_it",
         "test_eager.py::test_on_both_backends[redis]",
         "test_worker.py::test_with_celerys_own_fixtures",
         "test_worker.py::test_the_shop_through_a_worker",
@@ -161,3 +162,33 @@ def test_a_task_id_key_needs_the_task_id(celery_app: Any, idempotency: Any) -> N
     stored = idempotency.stored(receipt, (1,), task_id=twice.task_ids[0])
     assert stored is not None
     assert stored.result == "r1"
+
+
+def test_a_duplicate_that_arrives_while_the_body_runs(celery_app: Any, idempotency: Any) -> None:
+    from celery_idempotent import LockAcquisitionError
+
+    @celery_app.task(base=IdempotentTask, idempotency_retry_base_delay=0.01)
+    def slow(x: int) -> int:
+        return x * 2
+
+    @celery_app.task(base=IdempotentTask, idempotency_on_locked="raise", idempotency_retry_count=0)
+    def impatient(x: int) -> int:
+        return x
+
+    @celery_app.task(base=IdempotentTask, idempotency_enabled=False)
+    def unguarded(x: int) -> int:
+        return x
+
+    twice = idempotency.redeliver(slow, (21,), while_running=True)
+    assert twice.results == (42, 42)
+    assert twice.executions == 1
+    assert idempotency.deliver_twice(slow, (5,), while_running=True).executions == 1
+
+    with pytest.raises(LockAcquisitionError):  # the policy says: refuse, do not wait
+        idempotency.redeliver(impatient, (1,), while_running=True)
+    assert not idempotency.is_locked(impatient, (1,))
+    with pytest.raises(AssertionError, match="never found the key held"):
+        idempotency.deliver_twice(unguarded, (1,), while_running=True)
+    idempotency.through_worker = True
+    with pytest.raises(ValueError, match="applies the deliveries eagerly"):
+        idempotency.redeliver(slow, (1,), while_running=True)

@@ -15,6 +15,14 @@ def test_a_redelivered_charge_runs_once(idempotency):
     assert twice.record.fencing_token == twice.result["fencing_token"]
 
 
+def test_a_redelivery_while_the_charge_runs_waits_for_it(idempotency):
+    # A visibility timeout ran out under a long charge: the copy must wait, not charge again.
+    twice = idempotency.redeliver(charge, (42, 999), while_running=True)
+
+    assert twice.executions == 1
+    assert not idempotency.is_locked(charge, (42, 999))
+
+
 def test_a_double_click_charges_once(idempotency):
     twice = idempotency.deliver_twice(charge, kwargs={"order_id": 7, "amount_cents": 100})
 
