@@ -287,6 +287,16 @@ def test_a_fixed_namespace_and_a_missing_key(admin_app: Celery) -> None:
         inspect_json(admin_app, "inv-6", "--task", charge_v2.name),
     )
 
+    # every key of the task: the command scans its namespace, not its name
+    counted = cli(admin_app, "stats", "--task", charge_v2.name, "--json")
+    assert json.loads(counted.stdout)["tasks"] == {
+        "billing.charge": {"completed": 2, "in_progress": 0}
+    }
+    gone = cli(admin_app, "forget", "--task", charge_v2.name, "--yes")
+    assert "deleted 2 record(s)" in gone.stdout, (gone.stdout, gone.stderr)
+    assert charge_v2.idempotency_status((5, 50)).state == "absent"
+    assert charge_v2.idempotency_status(key="inv-6").state == "absent"
+
     welcome = admin_app.tasks["cliadmin.welcome"]
     with pytest.raises(IdempotencyKeyMissingError):
         welcome.idempotency_status((None,))
