@@ -51,7 +51,11 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent import _redis
-from celery_idempotent.exceptions import IdempotencyError, RecordDecodeError
+from celery_idempotent.exceptions import (
+    IdempotencyError,
+    IdempotencyKeyMissingError,
+    RecordDecodeError,
+)
 from celery_idempotent.keys import _HEAD as HEAD_CHARS
 from celery_idempotent.keys import MAX_READABLE_KEY, lock_resource, record_key
 from celery_idempotent.locks.redis import RedisLockProvider
@@ -344,6 +348,11 @@ class Target:
     task: Any = None
     quiet: bool = False
 
+    def namespace(self, task_name: str) -> str:
+        """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
+        app's, for a task this app does not register), else the name itself."""
+        return self.settings.idempotency_namespace or task_name
+
     @property
     def shown_url(self) -> str:
         """The URL without its password."""
@@ -562,10 +571,11 @@ def _one_key(
             "--task NAME is needed: keys are namespaced by task name (or pass --raw with the "
             "namespaced key)"
         )
+    namespace = target.namespace(task_name)
     if key is not None:
-        return f"{task_name}:key:{key}"
+        return f"{namespace}:key:{key}"
     if task_id is not None:
-        return f"{task_name}:id:{task_id}"
+        return f"{namespace}:id:{task_id}"
     return _args_key(target, task_name, args_json, kwargs_json)
 
 
@@ -584,7 +594,7 @@ def _args_key(
     kwargs = _json_arg(kwargs_json, "--kwargs", dict)
     try:
         return str(task.idempotency_key_for(tuple(args), kwargs))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IdempotencyKeyMissingError) as exc:
         raise click.BadParameter(str(exc), param_hint="--args/--kwargs") from exc
 
 
@@ -793,7 +803,7 @@ def forget(
         _forget_task(
             ctx,
             target,
-            task_name,
+            target.namespace(task_name),
             dry_run=dry_run,
             yes=yes,
             force=force,
@@ -1183,7 +1193,8 @@ def stats(
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
     per_task: dict[str, dict[str, int]] = {}
     scan = _Scan()
-    for found, (kind, task, _) in enumerate(_names(target, task_name, batch_size, scan), 1):
+    namespace = None if task_name is None else target.namespace(task_name)
+    for found, (kind, task, _) in enumerate(_names(target, namespace, batch_size, scan), 1):
         counts = per_task.setdefault(task, {"completed": 0, "in_progress": 0})
         counts["completed" if kind == "record" else "in_progress"] += 1
         if found % (batch_size * 10) == 0:
