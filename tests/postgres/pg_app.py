@@ -38,7 +38,7 @@ def _marks() -> Any:
     return redis.Redis.from_url(BROKER)
 
 
-@app.task(base=IdempotentTask, idempotency_key="order:{order_id}")
+@app.task(base=IdempotentTask, idempotency_key="order:{order_id}", shared=False)
 def pay(order_id: str, rows: int, stall: float) -> dict[str, Any]:
     """Insert ``rows`` payment rows for the order, then (first run only) stall ``stall`` s.
 
