@@ -14,20 +14,21 @@ reads and deletes through the same functions: :func:`read_key`, :func:`status_of
 :func:`forget_plan` and :func:`forget_key`. Neither builds a Redis name itself.
 
 States: ``"completed"`` (a record: the result is replayed), ``"running"`` (no record, the lock
-is held: a delivery runs the body now), ``"queued"`` (a publish-side marker, where the layout
-has one) and ``"absent"``.
+is held: a delivery runs the body now) and ``"absent"``; ``"queued"`` is reserved for the
+publish side's marker (a layout that keeps one reports it here; layout v2 has none yet).
+Records keep the committing delivery's task id where the layout has room and the writer
+filled it (layout v2 has the field; ``None`` otherwise).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery_idempotent import _redis
+from celery_idempotent import _redis, keyspace
 from celery_idempotent.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.keys import lock_resource, record_key
-from celery_idempotent.locks.redis import RedisLockProvider
+from celery_idempotent.keyspace import fence_name, lock_name, record_name
 
 if TYPE_CHECKING:
     import redis
@@ -51,8 +52,6 @@ __all__ = [
 
 #: Every state a key can be in, as :attr:`IdempotencyStatus.state` spells it.
 STATES = ("completed", "running", "queued", "absent")
-#: The record fields read for a status: everything but the payload itself.
-META_FIELDS = ("v", "ct", "enc", "fp", "at", "fence")
 
 
 @dataclass(frozen=True)
@@ -136,8 +135,10 @@ class KeyInfo:
     """What Redis holds for one idempotency key, read in one round trip (one script).
 
     ``state`` is ``"completed"`` (a record exists), ``"in_progress"`` (no record, the lock is
-    held) or ``"absent"`` (the CLI's JSON spelling; :func:`status_of` says ``"running"``). The
-    payload is not read unless asked for (``values``); ``size`` is its length in bytes.
+    held) or ``"absent"``. The payload is not read unless asked for (``raw``); ``size`` is its
+    length in bytes. ``last_fence`` is the highest fencing token the key's keys carry (record,
+    lock, fence key); ``fence_ttl`` the fence key's time left (it exists only while the server
+    clock is behind a token, or for up to 7 days after 0.1.0 wrote it).
     """
 
     key: str
@@ -150,8 +151,15 @@ class KeyInfo:
     lock_ttl: float | None
     last_fence: int | None
     fence_ttl: float | None
-    #: The raw values of ``RECORD_FIELDS``, payload included (only when read ``with_data``).
-    values: list[Any] = field(default_factory=list)
+    #: The stored record, payload included (only when read ``with_data``): the v2 string, or
+    #: the values of the v1 hash's fields.
+    raw: Any = None
+    #: The record's layout: ``"2"``, or ``"1"`` for a record written by 0.1.0.
+    layout: str | None = None
+    #: The fencing token of the lease that holds the lock now.
+    lease_fence: int | None = None
+    #: The fence key's value (``None``: there is no fence key).
+    fence_value: int | None = None
 
     @property
     def state(self) -> str:
@@ -167,7 +175,7 @@ class KeyInfo:
         """The owner id of the lock's holder (the token after ``@``), or ``None``."""
         if self.lock_token is None:
             return None
-        return self.lock_token.split("@", 1)[1] if "@" in self.lock_token else self.lock_token
+        return keyspace.parse_lock_value(self.lock_token)[1]
 
     def age(self, now: float) -> float | None:
         """Seconds since the record was committed, by the committing worker's clock."""
@@ -179,8 +187,6 @@ class KeyInfo:
 
     def as_json(self, now: float) -> dict[str, Any]:
         """A JSON-ready description (seconds as floats, ``None`` for what does not exist)."""
-        from celery_idempotent.cli import task_of_slot  # noqa: PLC0415
-
         record = None
         if self.record is not None:
             record = {
@@ -191,7 +197,7 @@ class KeyInfo:
             }
         return {
             "key": self.key,
-            "task": task_of_slot(self.key),
+            "task": keyspace.task_of_slot(self.key),
             "state": self.state,
             "record": record,
             "lock": {
@@ -210,31 +216,64 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     ``key`` is the namespaced key (``<task>:key:payment-42``); the names are derived as the
     guard derives them. One script (``READ_KEY``): the three names share a hash slot, so this
     also works on a Redis Cluster client (with any redis-py), and the view is consistent.
+    Records of layout v1 (0.1.0) are read as well.
     """
-    rname = record_key(prefix, key)
-    lname = lock_resource(prefix, key)
-    fname = RedisLockProvider.fence_key(lname)
-    fields = list(META_FIELDS) + (["data"] if with_data else [])
+    rname = record_name(prefix, key)
+    lname = lock_name(prefix, key)
+    fname = fence_name(lname)
     read = client.register_script(_redis.READ_KEY)
-    reply = read(keys=[rname, lname, fname], args=fields)
-    values, size, rttl, token, lttl, fence, fttl = reply
+    reply = read(keys=[rname, lname, fname], args=["1" if with_data else "0"])
+    kind, rec, size, rttl, token, lttl, fence, fttl = reply
+    kind = _text(kind)
     record: dict[str, Any] | None = None
-    meta = dict(zip(fields, values))
-    if any(v is not None for v in values):
-        at = _text(meta["at"])
+    layout: str | None = None
+    raw: Any = None
+    if kind == "string" and rec is not None:
+        value = rec.encode("utf-8", "surrogateescape") if isinstance(rec, str) else bytes(rec)
         try:
-            committed_at = float(at) if at else None
+            fields = keyspace.decode_record(value, rname)
         except ValueError:
-            committed_at = None
-        record = {
-            "version": _text(meta["v"]),
-            "content_type": _text(meta["ct"]),
-            "encoding": _text(meta["enc"]),
-            "size": int(size),
-            "fingerprint": _text(meta["fp"]) or None,
-            "committed_at": committed_at,
-            "fencing_token": _int(meta["fence"]),
-        }
+            fields = None
+        if fields is not None:
+            layout, raw = keyspace.RECORD_VERSION, value if with_data else None
+            header = len(value) - len(fields.data)
+            record = {
+                "version": layout,
+                "content_type": _content_type(fields.serializer),
+                "encoding": _content_encoding(fields.serializer),
+                "size": int(size) - header,
+                "fingerprint": fields.fingerprint,
+                "committed_at": fields.created_at,
+                "fencing_token": fields.fencing_token,
+                "task_id": fields.task_id,
+            }
+    elif kind == "hash" and rec:
+        meta = dict(zip(keyspace.V1_RECORD_FIELDS, rec))
+        if any(v is not None for v in rec):
+            layout, raw = keyspace.V1_VERSION, list(rec) if with_data else None
+            at = _text(meta["at"])
+            try:
+                committed_at = float(at) if at else None
+            except ValueError:
+                committed_at = None
+            record = {
+                "version": _text(meta["v"]),
+                "content_type": _text(meta["ct"]),
+                "encoding": _text(meta["enc"]),
+                "size": int(size),
+                "fingerprint": _text(meta["fp"]) or None,
+                "committed_at": committed_at,
+                "fencing_token": _int(meta["fence"]),
+                "task_id": None,
+            }
+    lock_token = _text(token)
+    lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
+    fence_key = _int(fence)
+    known = [
+        f
+        for f in (fence_key, lease_fence, (record or {}).get("fencing_token"))
+        if isinstance(f, int)
+    ]
     return KeyInfo(
         key=key,
         record_name=rname,
@@ -242,12 +281,30 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
         fence_name=fname,
         record=record,
         record_ttl=_ttl(rttl) if record is not None else None,
-        lock_token=_text(token),
+        lock_token=lock_token,
         lock_ttl=_ttl(lttl) if token is not None else None,
-        last_fence=_int(fence),
+        last_fence=max(known) if known else None,
         fence_ttl=_ttl(fttl) if fence is not None else None,
-        values=[meta.get(name) for name in _redis.RECORD_FIELDS] if with_data else [],
+        raw=raw,
+        layout=layout,
+        lease_fence=lease_fence,
+        fence_value=fence_key,
     )
+
+
+def _content_type(serializer: str | None) -> str | None:
+    """kombu's content type for a serializer name, or the name itself when unknown."""
+    import kombu.serialization  # noqa: PLC0415 - the CLI has Celery, so kombu, anyway
+
+    codec = kombu.serialization.registry._encoders.get(serializer or "")
+    return codec.content_type if codec is not None else serializer
+
+
+def _content_encoding(serializer: str | None) -> str | None:
+    import kombu.serialization  # noqa: PLC0415
+
+    codec = kombu.serialization.registry._encoders.get(serializer or "")
+    return codec.content_encoding if codec is not None else None
 
 
 def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
@@ -270,7 +327,7 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
             key=info.key,
             state="running",
             ttl=info.lock_ttl,
-            fencing_token=info.last_fence,
+            fencing_token=info.lease_fence,
             holder=info.holder,
         )
     return IdempotencyStatus(key=info.key, state="absent")
@@ -302,7 +359,7 @@ def forget_plan(info: KeyInfo, *, force: bool, include_fences: bool = False) -> 
                 info.key, info.holder, info.lock_ttl, held_lock_reason(info)
             )
         plan.append(info.lock_name)
-    if include_fences and info.last_fence is not None:
+    if include_fences and info.fence_value is not None:
         plan.append(info.fence_name)
     return plan
 
@@ -316,14 +373,23 @@ def forget_key(
     read (compare-and-delete on its token): a lease taken since is someone else's and stays.
     """
     forget_plan(info, force=force, include_fences=include_fences)
+    # One script: the lock is compared with the token that was read; a fence key goes only
+    # once the server clock has passed it (a token ahead of the clock is kept in it).
+    forget_script = client.register_script(_redis.FORGET)
+    gone_record, gone_lock, gone_fence = forget_script(
+        keys=[info.record_name, info.lock_name, info.fence_name],
+        args=[
+            info.lock_token or "",
+            "1" if info.lock_token is not None else "0",
+            "1" if include_fences else "0",
+        ],
+    )
     deleted: list[str] = []
-    if info.record is not None and client.delete(info.record_name):
+    if info.record is not None and gone_record:
         deleted.append(info.record_name)
-    if info.lock_token is not None:
-        release = client.register_script(_redis.RELEASE)
-        if release(keys=[info.lock_name], args=[info.lock_token]):
-            deleted.append(info.lock_name)
-    if include_fences and info.last_fence is not None and client.delete(info.fence_name):
+    if info.lock_token is not None and gone_lock:
+        deleted.append(info.lock_name)
+    if include_fences and info.fence_value is not None and gone_fence:
         deleted.append(info.fence_name)
     state = "running" if info.state == "in_progress" else info.state
     return Forgotten(key=info.key, state=state, deleted=tuple(deleted))

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent import _redis
+from celery_idempotent import _redis, keyspace
 from celery_idempotent.admin import (
     KeyInfo,
     forget_key,
@@ -65,8 +65,12 @@ from celery_idempotent.exceptions import (
     IdempotencyKeyMissingError,
     RecordDecodeError,
 )
-from celery_idempotent.keys import _HEAD as HEAD_CHARS
-from celery_idempotent.keys import MAX_READABLE_KEY
+from celery_idempotent.keyspace import (
+    HEAD_CHARS,
+    MAX_READABLE_KEY,
+    SHORTENED_MARK,
+    task_key,
+)
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 
 if TYPE_CHECKING:
@@ -83,10 +87,6 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: What follows the task name in a namespaced key (see ``IdempotentTask.idempotency_key_for``).
-KIND_MARKERS = (":args:", ":id:", ":key:")
-#: A shortened key (see :func:`celery_idempotent.keys.slot_key`) is ``<head>…#<sha256>``.
-SHORTENED_MARK = "…#"
 DEFAULT_BATCH = 1000
 #: How many names a dry run or a summary lists.
 SAMPLE = 10
@@ -96,44 +96,15 @@ SAMPLE = 10
 
 
 def parse_redis_name(name: str, prefix: str) -> tuple[str, str] | None:
-    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name.
-
-    ``kind`` is ``"record"`` (``<prefix>{slot}``), ``"lock"`` (``<prefix>lock:{slot}``) or
-    ``"fence"`` (``<prefix>lock:{slot}:fence``); ``slot`` is the key as it appears between the
-    hash-tag braces (the namespaced key, or its shortened form).
-    """
-    if not name.startswith(prefix):
-        return None
-    rest = name[len(prefix) :]
-    if rest.startswith("lock:{"):
-        body = rest[len("lock:{") :]
-        if body.endswith("}:fence"):
-            kind, slot = "fence", body[: -len("}:fence")]
-        elif body.endswith("}"):
-            kind, slot = "lock", body[:-1]
-        else:
-            return None
-    elif rest.startswith("{") and rest.endswith("}"):
-        kind, slot = "record", rest[1:-1]
-    else:
-        return None
-    if not slot or "{" in slot or "}" in slot:
-        return None
-    return kind, slot
+    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name
+    (see ``celery_idempotent.keyspace.parse_name``)."""
+    return keyspace.parse_name(name, prefix)
 
 
 def task_of_slot(slot: str) -> str | None:
-    """The task name at the start of a slot (``<task>:args:...`` and so on), or ``None``.
-
-    The earliest kind marker wins: an explicit key may itself contain ``:key:``. A shortened
-    slot whose 64-character head ends before the marker has no recognisable task: ``None``.
-    """
-    best: int | None = None
-    for marker in KIND_MARKERS:
-        index = slot.find(marker)
-        if index > 0 and (best is None or index < best):
-            best = index
-    return None if best is None else slot[:best]
+    """The task name at the start of a slot, or ``None``
+    (see ``celery_idempotent.keyspace.task_of_slot``)."""
+    return keyspace.task_of_slot(slot)
 
 
 def _tagged_task(task: str) -> str:
@@ -421,9 +392,9 @@ def _one_key(
         )
     namespace = target.namespace(task_name)
     if key is not None:
-        return f"{namespace}:key:{key}"
+        return task_key(namespace, "key", key)
     if task_id is not None:
-        return f"{namespace}:id:{task_id}"
+        return task_key(namespace, "id", task_id)
     return _args_key(target, task_name, args_json, kwargs_json)
 
 
@@ -547,7 +518,9 @@ def _decode_result(target: Target, info: KeyInfo) -> tuple[Any, str | None]:
         store = RedisIdempotencyStore(
             target.client, serializer=conf.get("result_serializer") or "json", accept=accept
         )
-        return store.decode(info.key, info.values).result, None
+        if info.layout == keyspace.V1_VERSION:
+            return store.decode_v1(info.key, info.raw).result, None
+        return store.decode(info.key, info.raw).result, None
     except (RecordDecodeError, TypeError, ValueError) as exc:
         return None, str(exc)
 
@@ -572,12 +545,12 @@ def _print_key(
             ("lease left", format_duration(info.lock_ttl)),
         ]
         if rec is None:
-            rows.append(("fencing token", f"{info.last_fence or '-'} (current lease)"))
+            rows.append(("fencing token", f"{info.lease_fence or '-'} (current lease)"))
     elif rec is not None:
         rows.append(("lock", "free"))
-    if rec is None and info.lock_token is None and info.last_fence is not None:
+    if rec is None and info.lock_token is None and info.fence_value is not None:
         rows.append(
-            ("last fence", f"{info.last_fence} (expires in {format_duration(info.fence_ttl)})")
+            ("last fence", f"{info.fence_value} (expires in {format_duration(info.fence_ttl)})")
         )
     rows += [("record name", info.record_name), ("lock name", info.lock_name)]
     _pairs(rows)
@@ -734,13 +707,16 @@ def _forget_one(
             abort=True,
             err=True,
         )
-    # A held lock goes only if it is still the lease that was shown (compare-and-delete):
-    # a lease taken since is someone else's and stays.
+    # One script (admin.forget_key): the lock is compared with the token that was shown (a
+    # lease taken since is someone else's and stays); a fence key is deleted only once the
+    # server clock has passed it; a fencing token ahead of the clock is kept in the fence key.
     deleted = list(
         forget_key(target.client, info, force=force, include_fences=include_fences).deleted
     )
     if info.lock_token is not None and info.lock_name not in deleted:
         doc["lock_changed"] = True
+    if include_fences and info.fence_value is not None and info.fence_name not in deleted:
+        doc["fence_kept"] = True
     doc["deleted"] = deleted
     if as_json:
         _emit_json(doc)
@@ -749,6 +725,10 @@ def _forget_one(
         click.echo(f"deleted {name}")
     if doc.get("lock_changed"):
         click.echo(f"kept {info.lock_name}: it changed hands since it was read", err=True)
+    if doc.get("fence_kept"):
+        click.echo(
+            f"kept {info.fence_name}: the server clock is behind its fencing token", err=True
+        )
     if not deleted:
         click.echo("nothing deleted: the key changed since it was read")
 
@@ -938,13 +918,22 @@ def _delete_task(
     batch: list[tuple[str, bytes]] = []
     batches = 0
 
+    drop_fence = target.client.register_script(_redis.DROP_FENCE)
+
     def flush() -> None:
         nonlocal batches
-        # One DEL per name: on a cluster the names live in different slots.
+        # One DEL per name: on a cluster the names live in different slots. A fence key is
+        # deleted by a script of its own, only once the server clock has passed it (fence
+        # keys are rare in layout v2: 0.1.0's, or a token ahead of a clock that stepped back).
         pipe = target.client.pipeline(transaction=False)
-        for _, raw in batch:
-            pipe.delete(raw)
-        for (kind, _), gone in zip(batch, pipe.execute()):
+        for kind, raw in batch:
+            if kind != "fence":
+                pipe.delete(raw)
+        replies = iter(pipe.execute())
+        results = [
+            drop_fence(keys=[raw]) if kind == "fence" else next(replies) for kind, raw in batch
+        ]
+        for (kind, _), gone in zip(batch, results):
             if gone and kind == "record":
                 done.records += 1
             elif gone and kind == "fence":

@@ -34,6 +34,7 @@ from celery_idempotent.exceptions import (
 )
 from celery_idempotent.guard import ABSENT, DistributedIdempotencyGuard, GuardEvent, current_lease
 from celery_idempotent.keys import fingerprint_payload, key_digest
+from celery_idempotent.keyspace import task_key
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
@@ -343,9 +344,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise TypeError(
                     f"the {KEY_HEADER!r} header must be a non-empty str, got {explicit!r}"
                 )
-            return f"{namespace}:key:{explicit}"
+            return task_key(namespace, "key", explicit)
         if cfg.idempotency_key == "task_id":
-            return f"{namespace}:id:{self.request.id}"
+            return task_key(namespace, "id", str(self.request.id))
         return self._derived_key(cfg, args, kwargs, payload, fingerprint)
 
     def _derived_key(
@@ -372,10 +373,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"idempotency_key callable of task {self.name} must return a non-empty "
                     f"str (or None: no key), returned {type(key).__name__}"
                 )
-            return f"{namespace}:key:{key}"
+            return task_key(namespace, "key", key)
         if strategy == "args":
-            return f"{namespace}:args:{fingerprint or fingerprint_payload(payload)}"
-        return f"{namespace}:key:{self._format_key(strategy, payload)}"
+            return task_key(namespace, "args", fingerprint or fingerprint_payload(payload))
+        return task_key(namespace, "key", self._format_key(strategy, payload))
 
     def idempotency_fingerprint_for(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None
@@ -520,7 +521,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             what, value = named[0]
             if not isinstance(value, str):
                 raise TypeError(f"{what} must be a non-empty str, got {value!r}")
-            return f"{namespace}:key:{value}" if what == "key" else f"{namespace}:id:{value}"
+            return task_key(namespace, "key" if what == "key" else "id", value)
         if cfg.idempotency_key == "task_id":
             raise TypeError(
                 f"{self.name} is keyed by task id (idempotency_key='task_id'): pass task_id=..."
@@ -687,6 +688,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             found = _backends.get(ident)
             if found is not None and found[0] is source:
                 return found[1]
+            if source is None and cfg.in_postgres:
+                _backends[ident] = (None, self._postgres_backend(cfg, serializer, accept))
+                return _backends[ident][1]
             if source is not None:
                 client = make_client_from(source, task_name=self.name)
             elif cfg.in_memory:
@@ -714,6 +718,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
             _backends[ident] = (source, pair)
             return pair
+
+    def _postgres_backend(
+        self, cfg: IdempotencySettings, serializer: str, accept: list[str]
+    ) -> tuple[LockProvider, IdempotencyStore]:
+        """One PostgreSQL backend serving as lock provider and store (one transaction)."""
+        from celery_idempotent.postgres import backend_from_url  # noqa: PLC0415 - optional
+
+        if cfg.idempotency_wait_replicas:
+            raise ValueError(
+                f"idempotency_wait_replicas (task {self.name}) is a Redis setting; PostgreSQL "
+                f"replicates commits itself (got {cfg.idempotency_wait_replicas}); use 0"
+            )
+        backend = backend_from_url(cfg.backend_url, serializer=serializer, accept=accept)
+        return backend, backend
 
     def _on_guard_event(self, event: GuardEvent) -> None:
         signal = {

@@ -97,6 +97,7 @@ def assert_agree(status: IdempotencyStatus, doc: dict[str, Any]) -> None:
     if status.state == "completed":
         assert status.fingerprint == record["fingerprint"]
         assert status.fencing_token == record["fencing_token"]
+        assert status.task_id == record["task_id"]
         assert status.ttl is not None
         assert abs(status.ttl - record["ttl"]) < 5
         assert status.age is not None

@@ -75,16 +75,17 @@ MUTANTS = [
         "release-without-token-check",
         "RELEASE deletes the lock whoever holds it",
         script_edit=_sub(
-            r"if redis\.call\('get', KEYS\[1\]\) == ARGV\[1\] then "
-            r"return (redis\.call\('del', KEYS\[1\]\)) end",
-            r"do return \1 end",
+            r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then return 0 end",
+            "",
             only="RELEASE",
         ),
     ),
     Mutant(
         "fence-not-floored",
         "a fencing token is last + 1, not floored by the server's clock",
-        script_edit=_sub(r"math\.max\(last \+ 1, now\)", "last + 1"),
+        script_edit=_sub(
+            r"math\.max\(now, tonumber\(fv or '0'\) \+ 1\)", "tonumber(fv or '0') + 1"
+        ),
     ),
     Mutant(
         "renewal-ignores-not-ours",
@@ -97,10 +98,9 @@ MUTANTS = [
         "commit-resend-rewrites",
         "a commit sent again after its reply was lost writes the record again",
         script_edit=_sub(
-            r"if fence and fence == ARGV\[9\] and ARGV\[9\] ~= '' then return 1 end",
-            "if fence and fence == ARGV[9] and ARGV[9] ~= '' then "
-            "redis.call('hset', KEYS[2], 'at', ARGV[8]) "
-            "redis.call('pexpire', KEYS[2], ARGV[2]) return 1 end",
+            r"string\.sub\(rec, 1, #head\) == head then return 1 end",
+            "string.sub(rec, 1, #head) == head then "
+            "redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[2]) return 1 end",
             only="COMMIT",
         ),
     ),

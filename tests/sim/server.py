@@ -139,6 +139,7 @@ class SimRedis:
             b"DEL": self._del,
             b"UNLINK": self._del,
             b"EXISTS": self._exists,
+            b"MGET": self._mget,
             b"PEXPIRE": self._pexpire,
             b"EXPIRE": self._expire,
             b"PEXPIREAT": self._pexpireat,
@@ -293,6 +294,15 @@ class SimRedis:
                 self._version += 1
                 n += 1
         return n
+
+    def _mget(self, a: list[bytes]) -> Any:
+        # Redis answers nil for a key that holds another type, not WRONGTYPE.
+        self._arity(a, 1, exact=False)
+        out = []
+        for key in a:
+            entry = self.lookup(key)
+            out.append(entry.value if entry is not None and entry.kind == "string" else None)
+        return out
 
     def _exists(self, a: list[bytes]) -> Any:
         self._arity(a, 1, exact=False)
