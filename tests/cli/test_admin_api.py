@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -304,3 +305,32 @@ def test_a_fixed_namespace_and_a_missing_key(admin_app: Celery) -> None:
     missing = cli(admin_app, "inspect", "--task", welcome.name, "--args", "[null]")
     assert missing.exit_code == 2
     assert "user_id" in missing.stderr
+
+
+def test_the_celery_program_agrees_with_the_api(
+    celery_cli: Callable[..., subprocess.CompletedProcess[str]],
+    redis_url: str,
+    key_prefix: str,
+) -> None:
+    """The real ``celery -A cliadmin_app idempotency`` program (a subprocess) on the keys the
+    API reads and forgets in this process."""
+    reset_backends()
+    app = make_app(redis_url, key_prefix)
+    try:
+        charge = app.tasks["cliadmin.charge"]
+        charge.apply((3, 30)).get()
+        status = charge.idempotency_status((3, 30))
+        shown = celery_cli("inspect", "--task", charge.name, "--args", "[3, 30]", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert_agree(status, json.loads(shown.stdout))
+
+        gone = celery_cli("forget", "--task", charge.name, "--args", "[3, 30]", "--yes")
+        assert gone.returncode == 0, gone.stderr
+        assert charge.idempotency_status((3, 30)).state == "absent"
+        charge.apply((3, 30)).get()
+        charge.idempotency_forget((3, 30))
+        after = celery_cli("inspect", "--task", charge.name, "--args", "[3, 30]", "--json")
+        assert json.loads(after.stdout)["state"] == "absent"
+    finally:
+        reset_backends()
+        app.close()
