@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import greenlet
+
 from celery_idempotent.exceptions import (
     CommitUnknownError,
     IdempotencyConnectionError,
@@ -234,6 +236,7 @@ class _Worker:
         self.incarnation = 0
         self.proc: Process | None = None
         self.body: Any = None
+        self.keeper: Any = None
         self.done = False
 
 
@@ -268,6 +271,9 @@ class _Run:
             script, keys, args = body
             role = adapter.role_of(script, self.roles)
             token = adapter.request_token(role, keys, args)
+            w = getattr(client, "worker", None)
+            if role == "renew" and w is not None and w.keeper.greenlet is not greenlet.getcurrent():
+                role = "commit"  # the two-step commit proves its lease with an extend
             if token is None and role == "set_record":
                 # The two-step path writes the record on behalf of the body's lease.
                 w = getattr(client, "worker", None)
@@ -276,8 +282,8 @@ class _Run:
             return role, token
         return client.role or str(body[0]).lower(), None
 
-    def apply(self, client: SimClient, request: tuple[str, Any]) -> Any:
-        role, token = self._request_info(client, request)
+    def apply(self, client: SimClient, request: tuple[str, Any], info: tuple[str, Any]) -> Any:
+        role, token = info
         proc = client.proc.name
         self.result.requests += 1
         self.checker.now = self.world.now
@@ -304,13 +310,16 @@ class _Run:
         self._last_reply = reply
         return reply
 
-    def sending(self, client: SimClient, request: tuple[str, Any]) -> None:
-        role, token = self._request_info(client, request)
-        self.checker.before_request(client.proc.name, role, token)
+    def sending(self, client: SimClient, request: tuple[str, Any]) -> tuple[str, Any]:
+        """Called in the sending greenlet: what the request is, for the checker."""
+        info = self._request_info(client, request)
+        self.checker.before_request(client.proc.name, *info)
+        return info
 
-    def delivered(self, client: SimClient, request: tuple[str, Any], reply: Any) -> None:
-        role, token = self._request_info(client, request)
-        self.checker.reply_delivered(role, token, reply)
+    def delivered(
+        self, client: SimClient, request: tuple[str, Any], reply: Any, info: tuple[str, Any]
+    ) -> None:
+        self.checker.reply_delivered(info[0], info[1], reply)
 
     def _keyname(self, request: tuple[str, Any]) -> str:
         kind, body = request
@@ -351,7 +360,22 @@ class _Run:
             )
             store_client.worker = w
         renew = self.mutant.renew(proc) if self.mutant is not None else None
-        keeper = adapter.SimKeeper(proc, renew)
+
+        def connect(timeout: float) -> SimClient:
+            own = SimClient(
+                self.world,
+                proc,
+                self.server,
+                self.net,
+                socket_timeout=timeout,
+                retries=0,
+                observer=self,
+            )
+            own.worker = w
+            return own
+
+        keeper = adapter.SimKeeper(proc, renew, connect)
+        w.keeper = keeper
         guard = adapter.make_guard(proc, client, self.cfg, keeper, store_client)
         if self.mutant is not None and self.mutant.guard_edit is not None:
             guard = self.mutant.guard_edit(guard)
@@ -563,7 +587,8 @@ class _Run:
         self.result.late_starts = self.checker.late_starts
         self.result.excused_fences = self.checker.excused_fences
         self.result.reruns_after_loss = self.checker.reruns_after_loss
-        self.result.unfinished = sum(1 for w in self.workers if not w.done)
+        if self.checker.first is None:
+            self.result.unfinished = sum(1 for w in self.workers if not w.done)
         return self.result
 
     def _teardown(self) -> None:
