@@ -173,6 +173,16 @@ class Layout:
             record_fp=fp,
         )
 
+    @staticmethod
+    def token_forgotten(view: KeyView) -> bool:
+        """Whether nothing at the server still floors the next fencing token by the last one
+        (then only the server clock does). Layout v1: the fence key is the only floor (a
+        claim or acquire never reads the record's token). Layout v2: the lock, the record
+        and the fence key all carry it."""
+        if LAYOUT == "v1":
+            return view.fence_key is None
+        return view.holder is None and view.record_stamp is None and view.fence_key is None
+
     def grant_fence(self, view: KeyView) -> int | None:
         """The fencing token of the holder in ``view``."""
         if view.holder is not None and "/" in view.holder:
@@ -350,11 +360,12 @@ def make_guard(
     store = RedisIdempotencyStore(store_client or client)
     namespace = _RenewalNamespace(keeper)
 
-    # Every method of the guard that reaches for the renewal module sees the simulated keeper.
+    # Every method of the guard that reaches for the renewal module sees the simulated keeper,
+    # and every one that reads the time module reads the process's clocks.
     swapped = {
-        name: rebind(fn, _renewal=namespace)
+        name: rebind(fn, _renewal=namespace, time=proc.time)
         for name, fn in vars(DistributedIdempotencyGuard).items()
-        if isinstance(fn, types.FunctionType) and "_renewal" in fn.__code__.co_names
+        if isinstance(fn, types.FunctionType) and {"_renewal", "time"} & set(fn.__code__.co_names)
     }
     if not swapped:
         raise AssertionError("the guard no longer calls the renewal module: update the adapter")

@@ -199,6 +199,15 @@ def make_plan(
     )
 
 
+def make_two_step_plan(seed: int) -> Plan:
+    """A plan for the guard's two-step path (store and lock apart: lock proof, then write),
+    with every fault but the two that no guard can control there: the client library's own
+    resends and network delays, either of which can deliver the write after the lease ran
+    out (see the README's Reliability section)."""
+    plan = make_plan(seed, split=True)
+    return dataclasses.replace(plan, client_retries=0, net={**plan.net, "delay": 0.0})
+
+
 @dataclass
 class Result:
     plan: Plan
@@ -473,8 +482,8 @@ class _Run:
         if f.kind in ("pause", "crash", "partition", "skew"):
             w = self.workers[f.target]
             proc = w.proc
-            if proc is None or w.done:
-                return
+            if proc is None or proc.dead or w.done:
+                return  # not started yet, or crashed and not yet back
             if f.kind == "pause":
                 proc.frozen_until = max(proc.frozen_until, world.now + f.span)
             elif f.kind == "partition":
