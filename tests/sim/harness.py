@@ -276,6 +276,8 @@ class _Run:
 
     def _request_info(self, client: SimClient, request: tuple[str, Any]) -> tuple[str, Any]:
         kind, body = request
+        if client.role is not None:  # the admin's requests (an explicit forget)
+            return client.role, None
         if kind == "eval":
             script, keys, args = body
             role = adapter.role_of(script, self.roles)
@@ -289,7 +291,7 @@ class _Run:
                 if w is not None and w.body is not None:
                     token = w.body.token
             return role, token
-        return client.role or str(body[0]).lower(), None
+        return str(body[0]).lower(), None
 
     def apply(self, client: SimClient, request: tuple[str, Any], info: tuple[str, Any]) -> Any:
         role, token = info
