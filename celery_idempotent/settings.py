@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from celery_idempotent import keyspace
 from celery_idempotent._validate import check_count, check_delay, check_duration
 
 __all__ = [
@@ -34,7 +35,7 @@ MISSING_KEY_POLICIES = ("raise", "run")
 KEY_STRATEGIES = ("args", "task_id")
 #: What follows the namespace in a task key (``<namespace>:args:<sha256>``); a namespace may not
 #: contain one, or the admin command could not tell where it ends.
-KIND_MARKERS = (":args:", ":id:", ":key:")
+KIND_MARKERS = keyspace.KIND_MARKERS
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 

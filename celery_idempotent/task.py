@@ -32,6 +32,7 @@ from celery_idempotent.exceptions import (
 )
 from celery_idempotent.guard import ABSENT, DistributedIdempotencyGuard, GuardEvent, current_lease
 from celery_idempotent.keys import fingerprint_payload, key_digest
+from celery_idempotent.keyspace import task_key
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
@@ -341,7 +342,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise TypeError(
                     f"the {KEY_HEADER!r} header must be a non-empty str, got {explicit!r}"
                 )
-            return f"{namespace}:key:{explicit}"
+            return task_key(namespace, "key", explicit)
         strategy = cfg.idempotency_key
         if payload is None:
             payload = self._bound_arguments(args, kwargs)
@@ -355,12 +356,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"idempotency_key callable of task {self.name} must return a non-empty "
                     f"str (or None: no key), returned {type(key).__name__}"
                 )
-            return f"{namespace}:key:{key}"
+            return task_key(namespace, "key", key)
         if strategy == "args":
-            return f"{namespace}:args:{fingerprint or fingerprint_payload(payload)}"
+            return task_key(namespace, "args", fingerprint or fingerprint_payload(payload))
         if strategy == "task_id":
-            return f"{namespace}:id:{self.request.id}"
-        return f"{namespace}:key:{self._format_key(strategy, payload)}"
+            return task_key(namespace, "id", str(self.request.id))
+        return task_key(namespace, "key", self._format_key(strategy, payload))
 
     def idempotency_fingerprint_for(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None

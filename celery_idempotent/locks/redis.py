@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_idempotent import _redis
+from celery_idempotent import _redis, keyspace
 from celery_idempotent._validate import check_duration
 from celery_idempotent.protocols import Lease
 
@@ -20,10 +20,14 @@ class RedisLockProvider:
     still holds that token: a holder whose lease expired can never release or extend the next
     holder's lease. Lease expiry is the server's ``PX``: no client clock decides it.
 
-    Fencing tokens strictly increase per resource: ``max(last + 1, server time in µs)``, the
-    last one kept ``fence_ttl`` seconds after each acquisition.
+    Fencing tokens strictly increase per resource: a token is the server's time in µs, or
+    one more than a token still ahead of the server clock (see
+    ``celery_idempotent.keyspace`` for why no long-lived fence key is needed). A lease's
+    ``token`` is what the lock holds: ``<fencing token>/<random>@<owner_id>``.
 
     ``key_prefix`` only scopes :meth:`clear`; resource names come from the guard.
+    ``fence_ttl`` is accepted for compatibility with 0.1.0 and no longer used: layout v2
+    keeps no fence key for days.
     """
 
     def __init__(
@@ -50,8 +54,8 @@ class RedisLockProvider:
 
     @staticmethod
     def fence_key(resource: str) -> str:
-        """Where the last fencing token of ``resource`` is kept (same hash slot)."""
-        return f"{resource}:fence"
+        """Where a fencing token of ``resource`` ahead of the server clock is kept."""
+        return keyspace.fence_name(resource)
 
     def acquire(self, resource: str, ttl: float) -> Lease | None:
         """Take ``resource`` for ``ttl`` seconds (one round trip); ``None`` when it is held."""
@@ -59,23 +63,35 @@ class RedisLockProvider:
         token = _redis.new_token(self.owner_id)
         with _redis.translate_errors(resource, "lock acquire"):
             fence = self._acquire(
-                keys=[resource, self.fence_key(resource)],
-                args=[token, _redis.ms(ttl), _redis.ms(self.fence_ttl)],
+                keys=[resource, keyspace.fence_name(resource)], args=[token, _redis.ms(ttl)]
             )
-        if not fence:
+        number = int(fence)
+        if not number:
             return None
-        return Lease(resource=resource, token=token, fencing_token=int(fence))
+        return Lease(
+            resource=resource, token=keyspace.lock_value(number, token), fencing_token=number
+        )
 
     def extend(self, lease: Lease, ttl: float) -> bool:
         """Reset the lease to ``ttl`` seconds if it is still ours (one round trip)."""
         ttl = check_duration("ttl", ttl)
         with _redis.translate_errors(lease.resource, "lock extend"):
-            return bool(self._extend(keys=[lease.resource], args=[lease.token, _redis.ms(ttl)]))
+            return bool(
+                self._extend(
+                    keys=[lease.resource, keyspace.fence_name(lease.resource)],
+                    args=[lease.token, _redis.ms(ttl), lease.fencing_token],
+                )
+            )
 
     def release(self, lease: Lease) -> bool:
         """Release the lock if ``lease`` still holds it (one round trip)."""
         with _redis.translate_errors(lease.resource, "lock release"):
-            return bool(self._release(keys=[lease.resource], args=[lease.token]))
+            return bool(
+                self._release(
+                    keys=[lease.resource, keyspace.fence_name(lease.resource)],
+                    args=[lease.token, lease.fencing_token],
+                )
+            )
 
     def is_locked(self, resource: str) -> bool:
         """Whether anyone holds ``resource`` now."""
@@ -83,7 +99,8 @@ class RedisLockProvider:
             return bool(self.client.exists(resource))
 
     def holder(self, resource: str) -> str | None:
-        """The token of the current holder (``<random>@<owner_id>``), or ``None``."""
+        """The current holder's lease token (``<fencing token>/<random>@<owner_id>``; a lock
+        taken by 0.1.0 holds ``<random>@<owner_id>``), or ``None``."""
         with _redis.translate_errors(resource, "lock check"):
             value = self.client.get(resource)
         if value is None:
@@ -97,7 +114,8 @@ class RedisLockProvider:
             batch: list[Any] = []
             for name in self.client.scan_iter(match=pattern, count=500):
                 # bytes, or str from a client made with decode_responses=True
-                if name.endswith(b":fence" if isinstance(name, bytes) else ":fence"):
+                text = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+                if text.endswith(keyspace.fence_name("")):
                     continue
                 batch.append(name)
                 if len(batch) >= 500:

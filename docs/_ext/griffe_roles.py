@@ -35,8 +35,37 @@ def convert(text: str, obj: Any = None) -> str:
         return f"`{shown}`"
 
     text = _ROLE.sub(role, text)
+    text = _simple_tables(text)  # before the markup changes the columns' widths
     text = re.sub(r"``([^`]+)``", r"`\1`", text)
     return _literal_blocks(text)
+
+
+_RULE = re.compile(r"^=+( +=+)+$")
+
+
+def _simple_tables(text: str) -> str:
+    """reST simple tables (``====  ====`` rules around a header) as Markdown tables."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if _RULE.match(lines[i]) and i + 2 < len(lines) and _RULE.match(lines[i + 2]):
+            spans = [m.span() for m in re.finditer(r"=+", lines[i])]
+
+            def cells(line: str, spans: list[tuple[int, int]] = spans) -> list[str]:
+                ends = [start for start, _ in spans[1:]] + [len(line)]
+                return [line[a:b].strip() for (a, _), b in zip(spans, ends)]
+
+            out += ["| " + " | ".join(cells(lines[i + 1])) + " |", "|" + "---|" * len(spans)]
+            j = i + 3
+            while j < len(lines) and not _RULE.match(lines[j]):
+                out.append("| " + " | ".join(cells(lines[j])) + " |")
+                j += 1
+            i = j + 1
+            continue
+        out.append(lines[i])
+        i += 1
+    return "\n".join(out)
 
 
 def _literal_blocks(text: str) -> str:

@@ -174,13 +174,16 @@ class Layout:
         )
 
     @staticmethod
-    def token_forgotten(view: KeyView) -> bool:
-        """Whether nothing at the server still floors the next fencing token by the last one
-        (then only the server clock does). Layout v1: the fence key is the only floor (a
-        claim or acquire never reads the record's token). Layout v2: the lock, the record
-        and the fence key all carry it."""
+    def token_forgotten(view: KeyView, role: str) -> bool:
+        """Whether nothing at the server floors a ``role`` grant's token by the last one (then
+        only the server clock does). Layout v1: the fence key is the only floor (a claim or
+        acquire never reads the record's token). Layout v2: the lock, the fence key and, for a
+        claim (which reads the record), the record carry it; an acquire (the two-step path,
+        whose store may live elsewhere) does not see the record."""
         if LAYOUT == "v1":
             return view.fence_key is None
+        if role == "acquire":
+            return view.holder is None and view.fence_key is None
         return view.holder is None and view.record_stamp is None and view.fence_key is None
 
     def grant_fence(self, view: KeyView) -> int | None:

@@ -90,7 +90,8 @@ class KeyState:
     max_fence: int = 0
     max_fence_server_us: int = 0
     clock_went_back: bool = False
-    lost_since_max: bool = False  # no key carried the highest token at some point since
+    # per grant role: nothing floored such a grant by the highest token at some point since it
+    lost_since_max: dict[str, bool] = field(default_factory=dict)
     record_lost: bool = False  # a restart lost the key's record (it may run again)
     records: list[RecordLife] = field(default_factory=list)
     expired_stamps: set[int | None] = field(default_factory=set)
@@ -166,7 +167,8 @@ class Checker:
     def restart(self, mode: str) -> None:
         if mode != "aof":
             for ks in self.keys.values():
-                ks.lost_since_max = True
+                # (an older snapshot may bring back an older floor: as good as none)
+                ks.lost_since_max = {"claim": True, "acquire": True}
         self._diff(None, "restart", None, "data-loss" if mode != "aof" else "restart")
 
     def clock_step(self, delta: float) -> None:
@@ -268,8 +270,9 @@ class Checker:
             if new == old:
                 continue
             ks.view = new
-            if ks.layout.token_forgotten(new):
-                ks.lost_since_max = True  # nothing at the server floors the next token now
+            for grant in ("claim", "acquire"):
+                if ks.layout.token_forgotten(new, grant):
+                    ks.lost_since_max[grant] = True  # nothing floors such a grant's token now
             # -- the lease
             if old.holder != new.holder:
                 if old.holder is not None:
@@ -349,7 +352,8 @@ class Checker:
             ks.record_lost = False
         if fence is None:
             raise self.violated("fence", f"lease on {key} granted without a fencing token")
-        if fence <= ks.max_fence and ks.lost_since_max and self.server.now_us() < ks.max_fence:
+        forgotten = ks.lost_since_max.get(role, False)
+        if fence <= ks.max_fence and forgotten and self.server.now_us() < ks.max_fence:
             # Documented: with no key left that carries the last token (expired, or lost in
             # a restart), tokens are floored by the server clock alone, which is behind that
             # token (it stepped back).
@@ -361,7 +365,7 @@ class Checker:
                 "granted before",
             )
         ks.max_fence = fence
-        ks.lost_since_max = False
+        ks.lost_since_max = {}
 
     def _record_changed(
         self, key: str, ks: KeyState, old: KeyView, new: KeyView, ctx: _Ctx

@@ -275,23 +275,24 @@ class _Run:
     # -- observer ---------------------------------------------------------------------------
 
     def _request_info(self, client: SimClient, request: tuple[str, Any]) -> tuple[str, Any]:
+        """(role, lease token) of a request, classified in the sending greenlet."""
         kind, body = request
         if client.role is not None:  # the admin's requests (an explicit forget)
             return client.role, None
+        w = getattr(client, "worker", None)
         if kind == "eval":
             script, keys, args = body
             role = adapter.role_of(script, self.roles)
             token = adapter.request_token(role, keys, args)
-            w = getattr(client, "worker", None)
             if role == "renew" and w is not None and w.keeper.greenlet is not greenlet.getcurrent():
                 role = "commit"  # the two-step commit proves its lease with an extend
-            if token is None and role == "set_record":
-                # The two-step path writes the record on behalf of the body's lease.
-                w = getattr(client, "worker", None)
-                if w is not None and w.body is not None:
-                    token = w.body.token
-            return role, token
-        return str(body[0]).lower(), None
+        else:
+            role, token = str(body[0]).lower(), None
+        if token is None and w is not None and w.body is not None:
+            # A plain write of the two-step path (a script or a SET, by layout) is made on
+            # behalf of the body's lease.
+            token = w.body.token
+        return role, token
 
     def apply(self, client: SimClient, request: tuple[str, Any], info: tuple[str, Any]) -> Any:
         role, token = info

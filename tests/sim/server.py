@@ -139,6 +139,7 @@ class SimRedis:
             b"DEL": self._del,
             b"UNLINK": self._del,
             b"EXISTS": self._exists,
+            b"MGET": self._mget,
             b"PEXPIRE": self._pexpire,
             b"EXPIRE": self._expire,
             b"PEXPIREAT": self._pexpireat,
@@ -159,7 +160,6 @@ class SimRedis:
             b"INCR": lambda a: self._incrby([a[0], b"1"]),
             b"INCRBY": self._incrby,
             b"TYPE": self._type,
-            b"MGET": lambda a: [self._get([k]) if self._kind(k) == "string" else None for k in a],
             b"GETRANGE": self._getrange,
             b"STRLEN": self._strlen,
             b"APPEND": self._append,
@@ -300,6 +300,15 @@ class SimRedis:
                 self._version += 1
                 n += 1
         return n
+
+    def _mget(self, a: list[bytes]) -> Any:
+        # Redis answers nil for a key that holds another type, not WRONGTYPE.
+        self._arity(a, 1, exact=False)
+        out = []
+        for key in a:
+            entry = self.lookup(key)
+            out.append(entry.value if entry is not None and entry.kind == "string" else None)
+        return out
 
     def _exists(self, a: list[bytes]) -> Any:
         self._arity(a, 1, exact=False)

@@ -45,7 +45,17 @@ class DirectClient:
         return call
 
     def _cmd(self, *args: Any) -> Any:
-        return self.server.command([a if isinstance(a, bytes) else str(a).encode() for a in args])
+        encoded = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+        try:
+            return self.server.command(encoded)
+        except CommandError as exc:
+            import redis.exceptions
+
+            raise redis.exceptions.ResponseError(str(exc)) from None
+
+    def set(self, name: Any, value: Any, px: Any = None) -> Any:
+        extra = [] if px is None else ["PX", px]
+        return self._cmd("SET", name, value, *extra)
 
     def get(self, name: Any) -> Any:
         return self._cmd("GET", name)

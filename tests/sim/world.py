@@ -251,6 +251,10 @@ class SimClient:
     def exists(self, *names: Any) -> Any:
         return self.execute_command("EXISTS", *names)
 
+    def set(self, name: Any, value: Any, px: Any = None) -> Any:
+        extra = [] if px is None else ["PX", px]
+        return self.execute_command("SET", name, value, *extra)
+
     def delete(self, *names: Any) -> Any:
         return self.execute_command("DEL", *names)
 
