@@ -570,6 +570,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             found = _backends.get(ident)
             if found is not None and found[0] is source:
                 return found[1]
+            if source is None and cfg.in_postgres:
+                _backends[ident] = (None, self._postgres_backend(cfg, serializer, accept))
+                return _backends[ident][1]
             if source is not None:
                 client = make_client_from(source, task_name=self.name)
             elif cfg.in_memory:
@@ -597,6 +600,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
             _backends[ident] = (source, pair)
             return pair
+
+    def _postgres_backend(
+        self, cfg: IdempotencySettings, serializer: str, accept: list[str]
+    ) -> tuple[LockProvider, IdempotencyStore]:
+        """One PostgreSQL backend serving as lock provider and store (one transaction)."""
+        from celery_idempotent.postgres import backend_from_url  # noqa: PLC0415 - optional
+
+        if cfg.idempotency_wait_replicas:
+            raise ValueError(
+                f"idempotency_wait_replicas (task {self.name}) is a Redis setting; PostgreSQL "
+                f"replicates commits itself (got {cfg.idempotency_wait_replicas}); use 0"
+            )
+        backend = backend_from_url(cfg.backend_url, serializer=serializer, accept=accept)
+        return backend, backend
 
     def _on_guard_event(self, event: GuardEvent) -> None:
         signal = {
