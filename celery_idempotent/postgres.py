@@ -52,6 +52,7 @@ from celery_idempotent import _txn
 from celery_idempotent._validate import check_duration
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
+    IdempotencyKeyHeldError,
     RecordDecodeError,
     ResultEncodeError,
 )
@@ -651,8 +652,21 @@ class PostgresBackend:
         self._autocommit([(self.sql.upsert, params)])
 
     def delete(self, key: str) -> bool:
-        """Delete ``key``'s completed record; ``True`` when there was one."""
-        return bool(self._autocommit([(self.sql.delete, (self._row(key),))])[0])
+        """Delete ``key``'s completed record; ``True`` when there was one. A row that a
+        running body's transaction holds is waited for at most ``lock_timeout``, then
+        :class:`~celery_idempotent.IdempotencyKeyHeldError` (nothing deleted)."""
+        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
+        try:
+            done = self._autocommit(
+                [(self.sql.lock_timeout, (ms,)), (self.sql.delete, (self._row(key),))]
+            )
+        except Exception as exc:
+            if _is_pg_error(exc, _LOCK_NOT_AVAILABLE):
+                raise IdempotencyKeyHeldError(
+                    key, None, None, "a running body's transaction holds the key's row"
+                ) from exc
+            raise
+        return bool(done[1])
 
     def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
         """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""

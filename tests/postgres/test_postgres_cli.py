@@ -166,3 +166,19 @@ def test_inspect_forget_stats(
     charge.apply((2, 20))
     again = json.loads(run("inspect", "order:2", "--task", charge.name, "--json").output)
     assert again["record"]["fencing_token"] > before
+
+
+def test_the_tasks_admin_methods_read_and_forget_postgres_records(
+    app: Celery, postgres_url: str, pg_table: str
+) -> None:
+    charge = _task(app, "charge")
+    assert charge.idempotency_status((5, 50)).state == "absent"
+    charge.apply((5, 50))
+    status = charge.idempotency_status((5, 50))
+    assert status.state == "completed"
+    assert status.fencing_token is not None
+    assert status.fencing_token > 0
+    forgotten = charge.idempotency_forget((5, 50))
+    assert forgotten.state == "completed"
+    assert charge.idempotency_status((5, 50)).state == "absent"
+    assert charge.apply((5, 50)).get() == {"order": 5, "amount": 50}
