@@ -166,6 +166,9 @@ class Target:
     prefix: str
     task: Any = None
     quiet: bool = False
+    #: The PostgreSQL backend when idempotency_url is postgresql:// or django:// (``client``
+    #: is then unused; see :mod:`celery_idempotent._pgcli`).
+    postgres: Any = None
 
     def namespace(self, task_name: str) -> str:
         """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
@@ -218,6 +221,21 @@ def connect(
                 f"must be a non-empty string without braces, got {prefix!r}", param_hint="--prefix"
             )
         cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
+    if cfg.in_postgres:
+        from celery_idempotent import _pgcli  # noqa: PLC0415 - psycopg only when used
+
+        conf = app.conf
+        accept = list(conf.get("result_accept_content") or conf.get("accept_content") or [])
+        return Target(
+            app=app,
+            settings=cfg,
+            client=None,  # type: ignore[arg-type]
+            url=cfg.backend_url,
+            prefix=cfg.idempotency_key_prefix,
+            task=task,
+            quiet=quiet,
+            postgres=_pgcli.backend_for(cfg, accept),
+        )
     if cfg.in_memory:
         raise click.UsageError(
             "idempotency_url is memory://: its keys live inside each worker process, where "
@@ -487,6 +505,18 @@ def inspect(
         args_json=args_json,
         kwargs_json=kwargs_json,
     )
+    if target.postgres is not None:
+        from celery_idempotent import _pgcli  # noqa: PLC0415
+
+        status = _pgcli.inspect(
+            target.postgres,
+            target.prefix,
+            nkey,
+            show_result=show_result,
+            as_json=as_json,
+            shown_url=target.shown_url,
+        )
+        ctx.exit(status)
     info = read_key(target.client, target.prefix, nkey, with_data=show_result)
     now = time.time()
     result: Any = None
@@ -621,6 +651,16 @@ def forget(
         if task_name is None:
             raise click.UsageError("pass --task NAME (every key of that task) and/or a KEY")
         target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+        if target.postgres is not None:
+            _pg_forget(
+                target,
+                target.namespace(task_name),
+                None,
+                dry_run=dry_run,
+                yes=yes,
+                as_json=as_json,
+            )
+            return
         _forget_task(
             ctx,
             target,
@@ -643,6 +683,9 @@ def forget(
         args_json=args_json,
         kwargs_json=kwargs_json,
     )
+    if target.postgres is not None:
+        _pg_forget(target, None, nkey, dry_run=dry_run, yes=yes, as_json=as_json)
+        return
     _forget_one(
         ctx,
         target,
@@ -653,6 +696,41 @@ def forget(
         include_fences=include_fences,
         as_json=as_json,
     )
+
+
+def _pg_forget(
+    target: Target,
+    namespace: str | None,
+    nkey: str | None,
+    *,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+) -> None:
+    """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
+    from celery_idempotent import _pgcli  # noqa: PLC0415
+
+    where = f"table {target.postgres.table} on {target.shown_url}"
+    if not dry_run and not yes and not as_json:
+        what = f"key {nkey}" if nkey is not None else f"every record of task {namespace}"
+        click.confirm(f"Delete {what} from {where}?", abort=True)
+    if nkey is not None:
+        doc = _pgcli.forget_one(target.postgres, target.prefix, nkey, dry_run=dry_run)
+        done = (
+            f"{'would delete' if dry_run else 'deleted'} key {nkey}"
+            if doc["state"] == "completed" and (dry_run or doc["deleted"])
+            else f"key {nkey} is {doc['state'].replace('_', ' ')}: nothing deleted"
+        )
+    else:
+        doc = _pgcli.forget_task(target.postgres, target.prefix, namespace or "", dry_run=dry_run)
+        verb = "would delete" if dry_run else "deleted"
+        done = f"{verb} {doc['records']} record(s) of task {namespace} from {where}"
+        if doc["held"]:
+            done += f"; {doc['held']} row(s) held by running bodies are kept"
+    if as_json:
+        _emit_json(doc)
+    else:
+        click.echo(done)
 
 
 def _forget_one(
@@ -1007,6 +1085,21 @@ def stats(
     while Redis resizes its table).
     """
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+    if target.postgres is not None:
+        from celery_idempotent import _pgcli  # noqa: PLC0415
+
+        space = None if task_name is None else target.namespace(task_name)
+        doc = _pgcli.stats(target.postgres, target.prefix, space)
+        if as_json:
+            _emit_json({**doc, "url": target.shown_url})
+            return
+        click.echo(f"table {doc['table']} (prefix {target.prefix!r}) on {target.shown_url}")
+        table = [[name, c["completed"], c["in_progress"]] for name, c in doc["tasks"].items()]
+        table.append(["TOTAL", doc["total"]["completed"], doc["total"]["in_progress"]])
+        _table(["TASK", "COMPLETED", "IN PROGRESS"], table)
+        if doc["expired"]:
+            click.echo(f"({doc['expired']} expired row(s) await the sweep)")
+        return
     per_task: dict[str, dict[str, int]] = {}
     scan = _Scan()
     namespace = None if task_name is None else target.namespace(task_name)
@@ -1038,3 +1131,15 @@ def stats(
     _table(["TASK", "COMPLETED", "IN PROGRESS"], rows)
     if other:
         click.echo(f"({other} other key(s) under the prefix are not celery-idempotent's)")
+
+
+# --------------------------------------------------------------------------- PostgreSQL DDL
+
+
+def _add_sql_command() -> None:
+    from celery_idempotent._pgcli import sql_command  # noqa: PLC0415 - no psycopg import
+
+    idempotency.add_command(sql_command)
+
+
+_add_sql_command()
