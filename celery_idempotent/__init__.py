@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from celery_idempotent._txn import current_connection
 from celery_idempotent.backoff import ExponentialJitterBackoff
 from celery_idempotent.exceptions import (
     CommitUnknownError,
@@ -21,6 +22,7 @@ from celery_idempotent.exceptions import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
@@ -42,7 +44,9 @@ from celery_idempotent.protocols import (
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 
 if TYPE_CHECKING:
+    from celery_idempotent.admin import IdempotencyStatus
     from celery_idempotent.locks.redis import RedisLockProvider
+    from celery_idempotent.postgres import DjangoBackend, PostgresBackend
     from celery_idempotent.stores.redis import RedisIdempotencyStore
     from celery_idempotent.task import IdempotentTask
 
@@ -53,6 +57,7 @@ __all__ = [
     "Claim",
     "CommitUnknownError",
     "DistributedIdempotencyGuard",
+    "DjangoBackend",
     "DuplicatePublishError",
     "ExponentialJitterBackoff",
     "GuardEvent",
@@ -60,9 +65,11 @@ __all__ = [
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
     "IdempotencyError",
+    "IdempotencyKeyHeldError",
     "IdempotencyKeyMissingError",
     "IdempotencyMismatchError",
     "IdempotencyRecord",
+    "IdempotencyStatus",
     "IdempotencyStore",
     "IdempotentTask",
     "Lease",
@@ -72,19 +79,24 @@ __all__ = [
     "MemoryIdempotencyStore",
     "MemoryLockProvider",
     "Outcome",
+    "PostgresBackend",
     "RecordDecodeError",
     "RedisIdempotencyStore",
     "RedisLockProvider",
     "ResultEncodeError",
     "__version__",
+    "current_connection",
     "current_lease",
     "fingerprint_payload",
 ]
 
 _LAZY = {
+    "IdempotencyStatus": "celery_idempotent.admin",
     "RedisLockProvider": "celery_idempotent.locks.redis",
     "RedisIdempotencyStore": "celery_idempotent.stores.redis",
     "IdempotentTask": "celery_idempotent.task",
+    "PostgresBackend": "celery_idempotent.postgres",
+    "DjangoBackend": "celery_idempotent.postgres",
 }
 
 

@@ -38,6 +38,9 @@ KEY_STRATEGIES = ("args", "task_id")
 #: contain one, or the admin command could not tell where it ends.
 KIND_MARKERS = keyspace.KIND_MARKERS
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: The PostgreSQL backend's schemes (records commit in the body's transaction; see
+#: :mod:`celery_idempotent.postgres`).
+POSTGRES_SCHEMES = ("postgresql://", "postgres://", "django://")
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,13 @@ class IdempotencySettings:
         if self.idempotency_url is None:  # pragma: no cover - resolve() always fills one
             raise ValueError("idempotency_url is not resolved (idempotency_client is set)")
         return self.idempotency_url
+
+    @property
+    def in_postgres(self) -> bool:
+        """Whether locks and records live in PostgreSQL (``postgresql://``, ``django://``)."""
+        return self.idempotency_client is None and (self.idempotency_url or "").startswith(
+            POSTGRES_SCHEMES
+        )
 
     @property
     def in_memory(self) -> bool:
@@ -261,9 +271,10 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
             return None
         if not isinstance(value, str):
             raise TypeError(f"{where} must be a URL string, not {type(value).__name__}")
-        if not value.startswith((*REDIS_SCHEMES, "memory://")):
+        if not value.startswith((*REDIS_SCHEMES, *POSTGRES_SCHEMES, "memory://")):
             raise ValueError(
-                f"{where} must be a redis://, rediss://, unix:// or memory:// URL, "
+                f"{where} must be a redis://, rediss://, unix://, postgresql://, postgres://, "
+                "django://<alias> or memory:// URL, "
                 f"got {_redact(value)!r}"
             )
         return value

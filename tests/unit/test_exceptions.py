@@ -17,6 +17,7 @@ from celery_idempotent import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
@@ -47,6 +48,10 @@ EXAMPLES = [
     ),
     (DuplicatePublishError("k10", "tid-1"), {"key": "k10", "task_id": "tid-1"}),
     (DuplicatePublishError("k10"), {"key": "k10", "task_id": None, "message": None}),
+    (
+        IdempotencyKeyHeldError("t:key:k", "host:1:ab", 2.5, "held"),
+        {"key": "t:key:k", "holder": "host:1:ab", "lease_left": 2.5, "message": "held"},
+    ),
     (LockLostError("k5", {"charged": [1, 2]}), {"key": "k5", "result": {"charged": [1, 2]}}),
     (LockLostError("k5", None), {"key": "k5", "result": None}),
     (CommitUnknownError("k5", [3], "unconfirmed"), {"key": "k5", "result": [3]}),
