@@ -929,13 +929,13 @@ def render(summary: dict[str, Any], cleanup: dict[str, Any]) -> str:
         row("orders", f"{s['orders']} ({s['duplicates_per_message']} copies of every message)"),
         row("messages published", f"{s['messages_published']} ({by_task})"),
         row(
-            "duplicates stopped at publish",
-            f"{s['stopped_at_publish']} (no message: the key was queued, running or done)",
+            "stopped at publish",
+            f"{s['stopped_at_publish']} duplicates (no message: key queued, running or done)",
         ),
         row("deliveries run by workers", f"{s['deliveries']} (with requeues and redeliveries)"),
         row("distinct keys", s["distinct_keys"]),
         row("executions (side effects)", s["executions"]),
-        row("replays at run time (redeliveries, same task id)", s["replays"]),
+        row("replays at run time", f"{s['replays']} (re-sent task ids, redeliveries)"),
         row(
             "requeued while key held",
             f"{s['requeued_while_key_held']} (lock contention events: {s['lock_contention']})",

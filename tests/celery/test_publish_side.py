@@ -363,7 +363,10 @@ def test_inspect_shows_a_queued_key_and_forget_clears_it(pub: ModuleType) -> Non
     first = pub.charge.apply_async((t, 3), queue=queue)
     doc = cli("inspect", "--task", "pub.charge", "--args", json.dumps([t, 3]), "--json")
     assert doc["state"] == "queued"
-    assert doc["queued"] == {"task_id": first.id}
+    assert doc["queued"]["task_id"] == first.id
+    assert 3500 < doc["queued"]["ttl"] <= 3600  # idempotency_publish_ttl
+    assert pub.charge.idempotency_status((t, 3)).state == "queued"  # the Python admin API
+    assert pub.charge.idempotency_status((t, 3)).task_id == first.id
     assert doc["record"] is None
     gone = cli("forget", "--task", "pub.charge", "--args", json.dumps([t, 3]), "--yes", "--json")
     record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 3), {}))

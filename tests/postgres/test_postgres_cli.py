@@ -54,7 +54,13 @@ def run(app: Celery) -> Callable[..., Result]:
 
 
 def _task(app: Celery, short: str) -> Any:
-    return next(task for name, task in app.tasks.items() if name.endswith(f".{short}"))
+    # This module's own task: shared tasks of other test apps (cidem_app.charge) are in
+    # app.tasks too when the whole suite runs in one process.
+    return next(
+        task
+        for name, task in app.tasks.items()
+        if name.endswith(f".{short}") and task.__module__ == __name__
+    )
 
 
 def test_sql_prints_ddl_that_creates_a_working_table(
