@@ -8,7 +8,7 @@ rule (retries, renewal, fencing checks, mismatch detection) to itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "AtomicBackend",
@@ -59,11 +59,13 @@ class Claim(NamedTuple):
     record: IdempotencyRecord | None
 
 
-@runtime_checkable
 class LockProvider(Protocol):
     """A lock whose holders prove ownership with a token.
 
-    All methods are safe to call from several threads at once.
+    All methods are safe to call from several threads at once. The guard calls only these
+    three. A provider may also offer ``is_locked(resource) -> bool`` (whether anyone holds
+    ``resource`` now): ``idempotency_status`` and the testing plugin's ``is_locked`` use it
+    when it is there, as the bundled providers do.
     """
 
     def acquire(self, resource: str, ttl: float) -> Lease | None:
@@ -75,14 +77,7 @@ class LockProvider(Protocol):
     def release(self, lease: Lease) -> bool:
         """Release the lock if ``lease`` still holds it; ``False`` when it is no longer ours."""
 
-    def is_locked(self, resource: str) -> bool:
-        """Whether anyone holds ``resource`` now."""
 
-    def clear(self) -> None:
-        """Drop every lock this provider manages (tests and admin tools)."""
-
-
-@runtime_checkable
 class IdempotencyStore(Protocol):
     """Where committed results live, each with a time to live."""
 

@@ -48,6 +48,7 @@ from celery_idempotent.settings import (
 )
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.stores.redis import RedisIdempotencyStore
+from celery_idempotent.urls import redact
 
 __all__ = [
     "FAILURE_MARKER",
@@ -786,11 +787,9 @@ class _KeyFormatter(string.Formatter):
 
 def _backend_label(cfg: IdempotencySettings) -> str:
     """Where a task's keys live, for the start-up log (no password)."""
-    from celery_idempotent._redis import _redact  # noqa: PLC0415 - a private helper
-
     source = cfg.idempotency_client
     if source is None:
-        return _redact(cfg.backend_url)
+        return redact(cfg.backend_url)
     label = getattr(source, "label", None)  # SentinelClientFactory (a Sentinel broker)
     if isinstance(label, str):
         return label
