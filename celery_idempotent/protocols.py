@@ -8,7 +8,7 @@ rule (retries, renewal, fencing checks, mismatch detection) to itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
     "AtomicBackend",
@@ -59,6 +59,7 @@ class Claim(NamedTuple):
     record: IdempotencyRecord | None
 
 
+@runtime_checkable
 class LockProvider(Protocol):
     """A lock whose holders prove ownership with a token.
 
@@ -78,6 +79,7 @@ class LockProvider(Protocol):
         """Release the lock if ``lease`` still holds it; ``False`` when it is no longer ours."""
 
 
+@runtime_checkable
 class IdempotencyStore(Protocol):
     """Where committed results live, each with a time to live."""
 
