@@ -274,3 +274,70 @@ def test_bad_configuration_names_the_option(postgres_url: str) -> None:
         make_guard(PostgresBackend("postgresql://postgres@127.0.0.1:1/none")).execute(
             "k", lambda: 1
         )
+
+
+def test_a_lost_commit_reply_is_answered_from_the_database(
+    pg_backend: PostgresBackend, postgres_url: str, payments: str, monkeypatch: Any
+) -> None:
+    """The COMMIT reached the server, its reply did not: the guard asks again on a new
+    connection and finds this lease's record (and the body's row) committed."""
+    guard = make_guard(pg_backend)
+    real = PostgresBackend._flight
+    lost: list[bool] = []
+
+    def flight(conn: Any, statements: Any) -> Any:
+        results = real(conn, statements)
+        if statements and statements[-1][0] == "COMMIT" and not lost:
+            lost.append(True)
+            conn.close()  # the reply "never arrived": the connection is gone
+            raise ConnectionError("reply lost")
+        return results
+
+    monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(flight))
+
+    def body() -> str:
+        current_connection().execute(f"INSERT INTO {payments} VALUES ('k', 1)")
+        return "paid"
+
+    outcome = guard.run("k", body)
+    assert lost == [True]
+    assert (outcome.value, outcome.replayed) == ("paid", False)
+    assert _count(postgres_url, f"SELECT count(*) FROM {payments}") == 1
+    assert guard.run("k", lambda: "again").replayed
+
+
+def test_a_commit_that_never_left_is_reported_not_stored(
+    pg_backend: PostgresBackend, postgres_url: str, payments: str, monkeypatch: Any
+) -> None:
+    """The connection died before the COMMIT was sent: the server rolled back, the check on a
+    new connection finds no record and no session, and LockLostError says nothing was stored."""
+    guard = make_guard(pg_backend)
+    real = PostgresBackend._flight
+    cut: list[bool] = []
+
+    def flight(conn: Any, statements: Any) -> Any:
+        if statements and statements[-1][0] == "COMMIT" and not cut:
+            cut.append(True)
+            pid = conn.info.backend_pid
+            conn.close()
+            with psycopg.connect(postgres_url, autocommit=True) as admin:  # wait for the end
+                while admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone() != (0,):
+                    time.sleep(0.01)
+            raise ConnectionError("connection lost before the commit")
+        return real(conn, statements)
+
+    monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(flight))
+
+    def body() -> str:
+        current_connection().execute(f"INSERT INTO {payments} VALUES ('k', 1)")
+        return "paid"
+
+    with pytest.raises(LockLostError) as caught:
+        guard.run("k", body)
+    assert type(caught.value) is LockLostError  # known not stored: not CommitUnknownError
+    assert caught.value.result == "paid"
+    monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(real))
+    assert _count(postgres_url, f"SELECT count(*) FROM {payments}") == 0
+    assert guard.execute("k", lambda: "again") == "again"
