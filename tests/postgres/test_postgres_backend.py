@@ -342,3 +342,24 @@ def test_a_commit_that_never_left_is_reported_not_stored(
     monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(real))
     assert _count(postgres_url, f"SELECT count(*) FROM {payments}") == 0
     assert guard.execute("k", lambda: "again") == "again"
+
+
+def test_a_forked_child_never_touches_the_parents_connections(pg_backend: PostgresBackend) -> None:
+    import os
+
+    guard = make_guard(pg_backend)
+    assert guard.execute("before", lambda: 1) == 1
+    parents = list(pg_backend._idle)
+    assert parents
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            code = 0 if guard.execute("child", lambda: 2) == 2 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for conn in parents:  # still the parent's, still open (no Terminate sent by the child)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert guard.execute("child", lambda: 3) == 2  # the child's commit is there
