@@ -363,3 +363,28 @@ def test_a_forked_child_never_touches_the_parents_connections(pg_backend: Postgr
     for conn in parents:  # still the parent's, still open (no Terminate sent by the child)
         assert conn.execute("SELECT 1").fetchone() == (1,)
     assert guard.execute("child", lambda: 3) == 2  # the child's commit is there
+
+
+def test_keepalives_are_set_on_both_ends_of_the_bodys_connection(
+    pg_backend: PostgresBackend,
+) -> None:
+    guard = make_guard(pg_backend)
+
+    def body() -> dict[str, Any]:
+        conn = current_connection()
+        server = {
+            name: conn.execute(f"SHOW tcp_keepalives_{name}").fetchone()[0]
+            for name in ("idle", "interval", "count")
+        }
+        client = {k: v for k, v in conn.info.get_parameters().items() if k.startswith("keep")}
+        return {"server": server, "client": client}
+
+    found = guard.execute("k", body)
+    # The server, which holds the row lock, probes a silent worker: 10 s, then 3 x 5 s.
+    assert found["server"] == {"idle": "10", "interval": "5", "count": "3"}
+    assert found["client"] == {
+        "keepalives": "1",
+        "keepalives_idle": "10",
+        "keepalives_interval": "5",
+        "keepalives_count": "3",
+    }
