@@ -32,11 +32,17 @@ def app(postgres_url: str, pg_table: str) -> Iterator[Celery]:
         idempotency_url=f"{postgres_url}{'&' if '?' in postgres_url else '?'}table={pg_table}",
     )
 
-    @app.task(base=IdempotentTask, idempotency_key="order:{order_id}", shared=False)
+    # Named explicitly: a new app also gets every shared task of the session (other suites
+    # define a "charge" too), so lookups must not go by the function's name.
+    @app.task(
+        name="pgcli.charge", base=IdempotentTask, idempotency_key="order:{order_id}", shared=False
+    )
     def charge(order_id: int, amount: int) -> dict[str, int]:
         return {"order": order_id, "amount": amount}
 
-    @app.task(base=IdempotentTask, idempotency_key="order:{order_id}", shared=False)
+    @app.task(
+        name="pgcli.ship", base=IdempotentTask, idempotency_key="order:{order_id}", shared=False
+    )
     def ship(order_id: int) -> str:
         return f"shipped {order_id}"
 
@@ -54,7 +60,7 @@ def run(app: Celery) -> Callable[..., Result]:
 
 
 def _task(app: Celery, short: str) -> Any:
-    return next(task for name, task in app.tasks.items() if name.endswith(f".{short}"))
+    return app.tasks[f"pgcli.{short}"]
 
 
 def test_sql_prints_ddl_that_creates_a_working_table(
