@@ -328,6 +328,11 @@ class _Run:
         self.checker.before_request(client.proc.name, *info)
         return info
 
+    def describe(self, request: tuple[str, Any], info: tuple[str, Any]) -> str:
+        """A request as the trace names it: its role, key and lease."""
+        role, token = info
+        return f"{role} {self._keyname(request)} {short(token) if token else ''}".rstrip()
+
     def delivered(
         self, client: SimClient, request: tuple[str, Any], reply: Any, info: tuple[str, Any]
     ) -> None:
