@@ -593,7 +593,10 @@ class _Run:
         except Exception as exc:  # the library raised what no rule expects, or a harness bug
             import traceback
 
-            self.checker.violated("error", "".join(traceback.format_exception(exc)).strip())
+            self.checker.violated(
+                "error",
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).strip(),
+            )
         finally:
             self._teardown()
         if self.checker.first is not None:
