@@ -7,8 +7,6 @@ shrunk trace; a seed replays exactly. ``python -m tests.sim --schedules N`` runs
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from .harness import campaign, make_plan, make_two_step_plan, run_plan, shrink
@@ -36,7 +34,6 @@ def _report(res: object) -> str:
 
 
 def test_campaign_holds_every_invariant() -> None:
-    started = time.process_time()
     result = campaign(range(CI_SCHEDULES))
     print(result.summary())
     assert result.schedules == CI_SCHEDULES
@@ -59,7 +56,6 @@ def test_campaign_holds_every_invariant() -> None:
     # A restart without persistence does what the README says it can: keys run again.
     assert result.reruns_after_loss > 0
     assert result.unfinished == 0
-    assert time.process_time() - started < 120  # a runaway guard, not a speed claim
 
 
 #: Two-step path seeds that found real bugs, fixed in the guard's commit:
