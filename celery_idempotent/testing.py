@@ -619,7 +619,14 @@ class IdempotencyTester:
         not expired yet). After every delivery has finished it must be ``False``."""
         name = self.key_for(task, args, kwargs, key=key, task_id=task_id)
         guard = self._guard(task)
-        return bool(guard.lock_provider.is_locked(guard.lock_resource(name)))
+        provider = guard.lock_provider
+        is_locked = getattr(provider, "is_locked", None)
+        if not callable(is_locked):
+            raise TypeError(
+                f"{type(provider).__name__} has no is_locked(resource): this lock provider "
+                "cannot say whether a key is held"
+            )
+        return bool(is_locked(guard.lock_resource(name)))
 
     def _guard(self, task: Any) -> Any:
         task = _current(task)
