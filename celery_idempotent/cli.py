@@ -72,6 +72,7 @@ from celery_idempotent.keyspace import (
     task_key,
 )
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
+from celery_idempotent.urls import redact
 
 if TYPE_CHECKING:
     import redis
@@ -178,7 +179,7 @@ class Target:
     @property
     def shown_url(self) -> str:
         """The URL without its password."""
-        return _redis._redact(self.url)
+        return redact(self.url)
 
     def accept(self) -> list[str]:
         """The content types a stored result may be loaded from: as ``IdempotentTask``."""
