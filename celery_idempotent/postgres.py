@@ -57,6 +57,7 @@ from celery_idempotent.exceptions import (
     ResultEncodeError,
 )
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.urls import redact
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -346,7 +347,7 @@ class PostgresBackend:
             _psycopg()  # fail now, with the install line, when psycopg is missing
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({_redact(self.url or '')!r}, table={self.table!r})"
+        return f"{type(self).__name__}({redact(self.url or '')!r}, table={self.table!r})"
 
     # -- connections (psycopg) ----------------------------------------------------------------
 
@@ -372,7 +373,8 @@ class PostgresBackend:
         with self._lock:
             if self._pid != os.getpid():
                 # Connections made before a fork belong to the parent: never use or close
-                # them here (closing would send a Terminate on the parent's socket).
+                # them here (psycopg itself does not end a connection of another process
+                # when it is garbage collected: tests/postgres/test_postgres_backend.py).
                 self._idle = []
                 self._open = {}
                 self._pid = os.getpid()
@@ -978,13 +980,6 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
     ours = {k: v for k, v in query if k in _OURS}
     rest = [(k, v) for k, v in query if k not in _OURS]
     return urlunsplit(parts._replace(query=urlencode(rest))), ours
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def backend_from_url(

@@ -18,7 +18,7 @@ import string
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 from celery import Task, states
 from celery import signals as celery_signals
@@ -46,15 +46,16 @@ from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
 from celery_idempotent.settings import (
     DUPLICATE_PUBLISH_POLICIES,
-    NOT_SET,
     IdempotencySettings,
     declared_by_task,
     make_client_from,
     never_stored,
     resolve,
+    task_option_defaults,
 )
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.stores.redis import PublishDecision, RedisIdempotencyStore
+from celery_idempotent.urls import redact
 
 __all__ = [
     "FAILURE_MARKER",
@@ -180,27 +181,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     """
 
     abstract = True
-    #: Task options (same names as the settings); ``None`` means "use the app's setting".
-    idempotency_url: ClassVar[str | None] = None
-    idempotency_client: ClassVar[Any] = None
-    idempotency_key: ClassVar[Any] = None
-    #: ``NOT_SET``, not ``None``: a task's own ``idempotency_fingerprint=None`` means "no check".
-    idempotency_fingerprint: ClassVar[Any] = NOT_SET
-    idempotency_missing_key: ClassVar[str | None] = None
-    idempotency_namespace: ClassVar[str | None] = None
-    idempotency_store_errors: ClassVar[Any] = None
-    idempotency_ttl: ClassVar[Any] = None
-    idempotency_lock_ttl: ClassVar[Any] = None
-    idempotency_retry_count: ClassVar[int | None] = None
-    idempotency_retry_base_delay: ClassVar[Any] = None
-    idempotency_on_locked: ClassVar[str | None] = None
-    idempotency_on_duplicate_publish: ClassVar[str | None] = None
-    idempotency_publish_ttl: ClassVar[Any] = None
-    idempotency_window: ClassVar[Any] = None
-    idempotency_wait_replicas: ClassVar[int | None] = None
-    idempotency_wait_timeout: ClassVar[Any] = None
-    idempotency_key_prefix: ClassVar[str | None] = None
-    idempotency_enabled: ClassVar[bool | None] = None
+    # Every setting is also a task option of the same name, set on this class below from the
+    # settings' declarations (settings.task_option_defaults).
 
     # -- the call ---------------------------------------------------------------------------
 
@@ -993,6 +975,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
         )
 
 
+# Task options (same names as the settings): ``None`` means "use the app's setting"; ``NOT_SET``
+# where a task's own ``None`` means something (``idempotency_fingerprint=None``: no check).
+for _option, _unset in task_option_defaults().items():
+    setattr(IdempotentTask, _option, _unset)
+
+
 def _hashes_args(cfg: IdempotencySettings) -> bool:
     """Whether a call needs the hash of every bound argument (key or fingerprint)."""
     return bool(cfg.idempotency_key == "args" or cfg.idempotency_fingerprint == "args")
@@ -1028,11 +1016,9 @@ class _KeyFormatter(string.Formatter):
 
 def _backend_label(cfg: IdempotencySettings) -> str:
     """Where a task's keys live, for the start-up log (no password)."""
-    from celery_idempotent._redis import _redact  # noqa: PLC0415 - a private helper
-
     source = cfg.idempotency_client
     if source is None:
-        return _redact(cfg.backend_url)
+        return redact(cfg.backend_url)
     label = getattr(source, "label", None)  # SentinelClientFactory (a Sentinel broker)
     if isinstance(label, str):
         return label

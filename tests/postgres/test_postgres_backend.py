@@ -233,7 +233,8 @@ def test_round_trips_match_a_plain_transaction(
     from benchmarks.pg import FlightCounter
 
     parts = urlsplit(postgres_url)
-    relay = FlightCounter(parts.hostname or "127.0.0.1", parts.port or 5432)
+    # Replies held 50 ms: a pipelined flight is sent whole long before, even on a busy machine.
+    relay = FlightCounter(parts.hostname or "127.0.0.1", parts.port or 5432, delay=0.05)
     try:
         url = relay.url(postgres_url)
         backend = PostgresBackend(url, table=pg_table)
@@ -274,3 +275,116 @@ def test_bad_configuration_names_the_option(postgres_url: str) -> None:
         make_guard(PostgresBackend("postgresql://postgres@127.0.0.1:1/none")).execute(
             "k", lambda: 1
         )
+
+
+def test_a_lost_commit_reply_is_answered_from_the_database(
+    pg_backend: PostgresBackend, postgres_url: str, payments: str, monkeypatch: Any
+) -> None:
+    """The COMMIT reached the server, its reply did not: the guard asks again on a new
+    connection and finds this lease's record (and the body's row) committed."""
+    guard = make_guard(pg_backend)
+    real = PostgresBackend._flight
+    lost: list[bool] = []
+
+    def flight(conn: Any, statements: Any) -> Any:
+        results = real(conn, statements)
+        if statements and statements[-1][0] == "COMMIT" and not lost:
+            lost.append(True)
+            conn.close()  # the reply "never arrived": the connection is gone
+            raise ConnectionError("reply lost")
+        return results
+
+    monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(flight))
+
+    def body() -> str:
+        current_connection().execute(f"INSERT INTO {payments} VALUES ('k', 1)")
+        return "paid"
+
+    outcome = guard.run("k", body)
+    assert lost == [True]
+    assert (outcome.value, outcome.replayed) == ("paid", False)
+    assert _count(postgres_url, f"SELECT count(*) FROM {payments}") == 1
+    assert guard.run("k", lambda: "again").replayed
+
+
+def test_a_commit_that_never_left_is_reported_not_stored(
+    pg_backend: PostgresBackend, postgres_url: str, payments: str, monkeypatch: Any
+) -> None:
+    """The connection died before the COMMIT was sent: the server rolled back, the check on a
+    new connection finds no record and no session, and LockLostError says nothing was stored."""
+    guard = make_guard(pg_backend)
+    real = PostgresBackend._flight
+    cut: list[bool] = []
+
+    def flight(conn: Any, statements: Any) -> Any:
+        if statements and statements[-1][0] == "COMMIT" and not cut:
+            cut.append(True)
+            pid = conn.info.backend_pid
+            conn.close()
+            with psycopg.connect(postgres_url, autocommit=True) as admin:  # wait for the end
+                while admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone() != (0,):
+                    time.sleep(0.01)
+            raise ConnectionError("connection lost before the commit")
+        return real(conn, statements)
+
+    monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(flight))
+
+    def body() -> str:
+        current_connection().execute(f"INSERT INTO {payments} VALUES ('k', 1)")
+        return "paid"
+
+    with pytest.raises(LockLostError) as caught:
+        guard.run("k", body)
+    assert type(caught.value) is LockLostError  # known not stored: not CommitUnknownError
+    assert caught.value.result == "paid"
+    monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(real))
+    assert _count(postgres_url, f"SELECT count(*) FROM {payments}") == 0
+    assert guard.execute("k", lambda: "again") == "again"
+
+
+def test_a_forked_child_never_touches_the_parents_connections(pg_backend: PostgresBackend) -> None:
+    import os
+
+    guard = make_guard(pg_backend)
+    assert guard.execute("before", lambda: 1) == 1
+    parents = list(pg_backend._idle)
+    assert parents
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            code = 0 if guard.execute("child", lambda: 2) == 2 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for conn in parents:  # still the parent's, still open (no Terminate sent by the child)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert guard.execute("child", lambda: 3) == 2  # the child's commit is there
+
+
+def test_keepalives_are_set_on_both_ends_of_the_bodys_connection(
+    pg_backend: PostgresBackend,
+) -> None:
+    guard = make_guard(pg_backend)
+
+    def body() -> dict[str, Any]:
+        conn = current_connection()
+        server = {
+            name: conn.execute(f"SHOW tcp_keepalives_{name}").fetchone()[0]
+            for name in ("idle", "interval", "count")
+        }
+        client = {k: v for k, v in conn.info.get_parameters().items() if k.startswith("keep")}
+        return {"server": server, "client": client}
+
+    found = guard.execute("k", body)
+    # The server, which holds the row lock, probes a silent worker: 10 s, then 3 x 5 s.
+    assert found["server"] == {"idle": "10", "interval": "5", "count": "3"}
+    assert found["client"] == {
+        "keepalives": "1",
+        "keepalives_idle": "10",
+        "keepalives_interval": "5",
+        "keepalives_count": "3",
+    }
