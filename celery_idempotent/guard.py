@@ -280,9 +280,9 @@ class DistributedIdempotencyGuard:
                 record = self._backend(key, "store get", self.store.get, rkey)
             if record is not None:
                 return self._replay(key, record, fingerprint, attempts, started)
-            value = self._run_body(key, fn, lease, started)
+            value, renewal = self._run_body(key, fn, lease, started)
             new = IdempotencyRecord(value, fingerprint, self.clock(), lease.fencing_token)
-            committed = self._commit(key, rkey, lease, new, started)
+            committed = self._commit(key, rkey, lease, new, started, renewal=renewal)
             return Outcome(value, False, lease.fencing_token, attempts)
         finally:
             if not committed:
@@ -337,23 +337,38 @@ class DistributedIdempotencyGuard:
         self._emit("replay", key, attempts, started, record.fencing_token)
         return Outcome(record.result, True, record.fencing_token, attempts)
 
-    def _run_body(self, key: str, fn: Callable[[], T], lease: Lease, started: float) -> T:
-        renewal = _renewal.keeper().keep(
-            self.lock_provider, lease, self.lock_ttl, self.renew_interval
+    def _run_body(
+        self, key: str, fn: Callable[[], T], lease: Lease, started: float
+    ) -> tuple[T, _renewal.Renewal]:
+        renewal = _renewal.keep(
+            self.lock_provider,
+            lease,
+            self.lock_ttl,
+            self.renew_interval,
+            label=f"key #{key_digest(key)}",
         )
         token = _current_lease.set(lease)
         try:
             value = fn()
         finally:
             _current_lease.reset(token)
-            _renewal.LeaseKeeper.stop(renewal)
-        if renewal.lost:
+            _renewal.stop(renewal)
+        if renewal.lost:  # the keeper has logged it, with its cause
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
-            raise LockLostError(key, value) from renewal.error
-        return value
+            raise LockLostError(
+                key, value, f"lease lost while the body ran: {renewal.cause}; not committed"
+            ) from renewal.error
+        return value, renewal
 
     def _commit(
-        self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord, started: float
+        self,
+        key: str,
+        rkey: str,
+        lease: Lease,
+        record: IdempotencyRecord,
+        started: float,
+        *,
+        renewal: _renewal.Renewal | None = None,
     ) -> bool:
         """Store the record while still the holder. True when the commit also released.
 
@@ -385,13 +400,28 @@ class DistributedIdempotencyGuard:
             except IdempotencyBackendError as exc:
                 # The backend refused the commit (not a lost reply): nothing was stored. The
                 # body's side effects happened, so the caller still gets its result.
+                log.warning(
+                    "celery-idempotent: commit of key #%s refused by the backend (%s); its "
+                    "result is not committed",
+                    key_digest(key),
+                    exc,
+                )
                 self._emit("lease_lost", key, 0, started, lease.fencing_token)
                 raise LockLostError(
                     key, record.result, f"the commit failed: {exc}; the result is not stored"
                 ) from exc
         if not ok:
+            cause = "the commit found the lock no longer held by this lease (ran out or taken)"
+            if renewal is None or _renewal.claim_report(renewal):
+                log.warning(
+                    "celery-idempotent: lease of key #%s (fencing token %s) lost: %s; its result "
+                    "is not committed",
+                    key_digest(key),
+                    lease.fencing_token,
+                    cause,
+                )
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
-            raise LockLostError(key, record.result)
+            raise LockLostError(key, record.result, f"lease lost: {cause}; not committed")
         self._emit("committed", key, 0, started, lease.fencing_token)
         return released
 
