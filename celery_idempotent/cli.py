@@ -51,6 +51,7 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent import _redis
+from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent.exceptions import IdempotencyError, RecordDecodeError
 from celery_idempotent.keys import _HEAD as HEAD_CHARS
 from celery_idempotent.keys import MAX_READABLE_KEY, lock_resource, record_key
@@ -1193,11 +1194,13 @@ def stats(
         "completed": sum(c["completed"] for c in per_task.values()),
         "in_progress": sum(c["in_progress"] for c in per_task.values()),
     }
+    policy, policy_error = eviction_policy(target.client)
     if as_json:
         _emit_json(
             {
                 "prefix": target.prefix,
                 "url": target.shown_url,
+                "maxmemory_policy": policy,
                 "total": total,
                 "tasks": dict(sorted(per_task.items())),
                 "other": other,
@@ -1206,6 +1209,10 @@ def stats(
         )
         return
     click.echo(f"prefix {target.prefix!r} on {target.shown_url}")
+    click.echo(f"maxmemory-policy {policy or 'unknown'}")
+    warning = eviction_warning(target.shown_url, policy, policy_error)
+    if warning is not None:
+        click.echo(f"WARNING: {warning}")
     rows = [[name, c["completed"], c["in_progress"]] for name, c in sorted(per_task.items())]
     rows.append(["TOTAL", total["completed"], total["in_progress"]])
     _table(["TASK", "COMPLETED", "IN PROGRESS"], rows)
