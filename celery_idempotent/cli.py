@@ -1208,11 +1208,12 @@ def stats(
             }
         )
         return
-    click.echo(f"prefix {target.prefix!r} on {target.shown_url}")
-    click.echo(f"maxmemory-policy {policy or 'unknown'}")
+    click.echo(
+        f"prefix {target.prefix!r} on {target.shown_url}, maxmemory-policy {policy or 'unknown'}"
+    )
     warning = eviction_warning(target.shown_url, policy, policy_error)
     if warning is not None:
-        click.echo(f"WARNING: {warning}")
+        click.echo(f"WARNING: {warning}", err=True)
     rows = [[name, c["completed"], c["in_progress"]] for name, c in sorted(per_task.items())]
     rows.append(["TOTAL", total["completed"], total["in_progress"]])
     _table(["TASK", "COMPLETED", "IN PROGRESS"], rows)
