@@ -106,9 +106,10 @@ class NativeRedisCaller:
     def __call__(
         self, script: str, keys: Sequence[Any], args: Sequence[Any], timeout: float
     ) -> Any:
-        """``EVALSHA`` (``EVAL`` when the server does not know it), waiting at most ``timeout``
-        seconds to connect and at most ``timeout`` seconds for the reply. Errors propagate
-        (redis-py's), after the connection is dropped: the next call connects afresh."""
+        """``EVALSHA`` (after ``SCRIPT LOAD`` when the server does not know the script yet),
+        waiting at most ``timeout`` seconds to connect and at most ``timeout`` seconds for the
+        reply. Errors propagate (redis-py's), after the connection is dropped: the next call
+        connects afresh."""
         redis_mod = import_redis()
         conn = self._connect_for(timeout)
         sha = self._shas.get(script)
@@ -119,7 +120,10 @@ class NativeRedisCaller:
             try:
                 return conn.read_response()
             except redis_mod.exceptions.NoScriptError:
-                conn.send_command("EVAL", script, len(keys), *keys, *args)
+                # SCRIPT LOAD, not EVAL: the ACL the README recommends allows only the first.
+                conn.send_command("SCRIPT", "LOAD", script)
+                conn.read_response()
+                conn.send_command("EVALSHA", sha, len(keys), *keys, *args)
                 return conn.read_response()
         except BaseException:
             self._drop()
