@@ -15,9 +15,11 @@ the worker's other bodies. Each pool's worker shows, with a 1 s lease:
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
@@ -31,20 +33,28 @@ TIMEOUT = 60
 LEASE = 1.0  # the coop/spin tasks' idempotency_lock_ttl
 BODY = 3 * LEASE
 
-POOLS = [("prefork", 3), ("threads", 4), ("solo", 1), ("gevent", 4), ("eventlet", 4)]
+POOLS = {"prefork": 3, "threads": 4, "solo": 1, "gevent": 4, "eventlet": 4}
 
 
-@pytest.fixture(scope="module", params=POOLS, ids=[pool for pool, _ in POOLS])
-def pool_worker(
-    request: pytest.FixtureRequest, worker_factory: Callable[..., WorkerGroup]
-) -> Iterator[WorkerGroup]:
-    pool, concurrency = request.param
-    # Its own queue: the other modules' workers must not take these tasks.
-    queue = f"pool-{pool}-{uuid.uuid4().hex[:6]}"
-    group = worker_factory(1, pool=pool, concurrency=concurrency, queues=[queue])
-    group.queue = queue  # type: ignore[attr-defined]
-    yield group
-    group.stop()
+@pytest.fixture(scope="module")
+def pool_workers(worker_factory: Callable[..., WorkerGroup]) -> Iterator[dict[str, Any]]:
+    """One worker per pool, each on a queue of its own, all started at once."""
+
+    def start(pool: str) -> Any:
+        queue = f"pool-{pool}-{uuid.uuid4().hex[:6]}"
+        group = worker_factory(1, pool=pool, concurrency=POOLS[pool], queues=[queue])
+        group.queue = queue
+        return group
+
+    with ThreadPoolExecutor(max_workers=len(POOLS)) as executor:
+        futures = {pool: executor.submit(start, pool) for pool in POOLS}
+        groups = {pool: future.result() for pool, future in futures.items()}
+    yield groups
+    for group in groups.values():  # warm shutdowns at once: gevent/eventlet take seconds
+        for worker in group:
+            worker.signal(signal.SIGTERM)
+    for group in groups.values():
+        group.stop()
 
 
 def runs(cidem: ModuleType, kind: str, tag: str) -> list[tuple[str, float, int, int]]:
@@ -57,10 +67,11 @@ def runs(cidem: ModuleType, kind: str, tag: str) -> list[tuple[str, float, int, 
     return out
 
 
+@pytest.mark.parametrize("pool", POOLS)
 def test_duplicates_with_the_same_args_or_the_same_task_id_run_once(
-    cidem: ModuleType, pool_worker: WorkerGroup, tag: str
+    cidem: ModuleType, pool_workers: dict[str, Any], pool: str, tag: str
 ) -> None:
-    queue = pool_worker.queue  # type: ignore[attr-defined]
+    queue = pool_workers[pool].queue
     by_args = [cidem.work.apply_async((tag, 1, 0.3), queue=queue) for _ in range(5)]
     task_id = f"same-{tag}"
     by_id = [
@@ -78,10 +89,10 @@ def test_duplicates_with_the_same_args_or_the_same_task_id_run_once(
     assert count(cidem, "work_by_id", tag) == 1  # three deliveries of one task id
 
 
-def test_a_blocking_body_costs_no_lease_of_its_worker(
-    cidem: ModuleType, pool_worker: WorkerGroup, tag: str
-) -> None:
-    queue = pool_worker.queue  # type: ignore[attr-defined]
+def blocking_scenario(cidem: ModuleType, group: Any, tag: str) -> None:
+    """A cooperative body, then a CPU-bound body of another key, both 3 leases long, each
+    followed by three duplicates, all on one worker."""
+    queue = group.queue
     sent: dict[str, list[Any]] = {"coop": [], "spin": []}
     sent["coop"].append(cidem.coop.apply_async((tag, BODY), queue=queue))
     time.sleep(0.2)  # the cooperative body starts first: the blocking one then freezes it
@@ -103,21 +114,41 @@ def test_a_blocking_body_costs_no_lease_of_its_worker(
         assert [m[0] for m in marks] == ["start", "end"], marks
         assert marks[1][1] - marks[0][1] >= BODY - 0.05, marks  # it really outlived 3 leases
 
+    worker = group[0]
     coop_marks, spin_marks = runs(cidem, "coop", tag), runs(cidem, "spin", tag)
-    if pool_worker[0].pool != "solo":
+    if worker.pool != "solo":
         # Both ran at once in one worker (for gevent/eventlet: in one process, one hub).
         assert spin_marks[0][1] < coop_marks[1][1], (coop_marks, spin_marks)
-        if pool_worker[0].pool != "prefork":
-            assert spin_marks[0][2] == coop_marks[0][2] == pool_worker[0].pid
-    log = pool_worker[0].log()
+        if worker.pool != "prefork":
+            assert spin_marks[0][2] == coop_marks[0][2] == worker.pid
+    log = worker.log()
     assert " lost: " not in log, log
     assert "raised unexpected" not in log, log
 
 
-def test_the_start_up_log_warns_about_green_pools_and_not_about_eviction(
-    cidem: ModuleType, pool_worker: WorkerGroup
+def test_a_blocking_body_costs_no_lease_of_its_worker(
+    cidem: ModuleType, pool_workers: dict[str, Any]
 ) -> None:
-    worker = pool_worker[0]
+    """On every pool at once (each its own worker and keys)."""
+    with ThreadPoolExecutor(max_workers=len(POOLS)) as executor:
+        futures = {
+            pool: executor.submit(blocking_scenario, cidem, group, f"{pool}-{uuid.uuid4().hex[:8]}")
+            for pool, group in pool_workers.items()
+        }
+        failed = {}
+        for pool, future in futures.items():
+            try:
+                future.result()
+            except AssertionError as exc:
+                failed[pool] = exc
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_the_start_up_log_warns_about_green_pools_and_not_about_eviction(
+    pool_workers: dict[str, Any], pool: str
+) -> None:
+    worker = pool_workers[pool][0]
     log = worker.log()
     pool_lines = [ln for ln in log.splitlines() if "celery-idempotent: pool " in ln]
     if worker.pool in ("gevent", "eventlet"):
@@ -135,14 +166,10 @@ def test_the_start_up_log_warns_about_green_pools_and_not_about_eviction(
 # --------------------------------------------------------------------------- revoke, limits
 
 
-@pytest.fixture(scope="module")
-def prefork_worker(worker_factory: Callable[..., WorkerGroup]) -> Iterator[WorkerGroup]:
+@pytest.fixture
+def prefork_worker(pool_workers: dict[str, Any]) -> Any:
     """Time limits and ``revoke(terminate=True)`` act on prefork children."""
-    queue = f"limits-{uuid.uuid4().hex[:6]}"
-    group = worker_factory(1, pool="prefork", concurrency=3, queues=[queue])
-    group.queue = queue  # type: ignore[attr-defined]
-    yield group
-    group.stop()
+    return pool_workers["prefork"]
 
 
 def wait_started(cidem: ModuleType, kind: str, tag: str, n: int = 1) -> float:
@@ -182,9 +209,9 @@ def check_cut_run_then_one_more(
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_revoke_terminate_mid_body_stores_nothing_and_the_duplicate_runs_after_it(
-    cidem: ModuleType, prefork_worker: WorkerGroup, tag: str, sig: str
+    cidem: ModuleType, prefork_worker: Any, tag: str, sig: str
 ) -> None:
-    queue = prefork_worker.queue  # type: ignore[attr-defined]
+    queue = prefork_worker.queue
     first = cidem.victim.apply_async((tag, 5.0), queue=queue)
     wait_started(cidem, "victim", tag)
     duplicate = cidem.victim.apply_async((tag, 5.0), queue=queue)
@@ -198,11 +225,11 @@ def test_revoke_terminate_mid_body_stores_nothing_and_the_duplicate_runs_after_i
 
 
 def test_hard_time_limit_mid_body_stores_nothing_and_the_duplicate_runs_after_it(
-    cidem: ModuleType, prefork_worker: WorkerGroup, tag: str
+    cidem: ModuleType, prefork_worker: Any, tag: str
 ) -> None:
     from celery.exceptions import TimeLimitExceeded
 
-    queue = prefork_worker.queue  # type: ignore[attr-defined]
+    queue = prefork_worker.queue
     first = cidem.hard_limited.apply_async((tag, 5.0), queue=queue)
     started = wait_started(cidem, "hard_limited", tag)
     duplicate = cidem.hard_limited.apply_async((tag, 5.0), queue=queue)
@@ -215,11 +242,11 @@ def test_hard_time_limit_mid_body_stores_nothing_and_the_duplicate_runs_after_it
 
 
 def test_soft_time_limit_inside_the_body_stores_nothing(
-    cidem: ModuleType, prefork_worker: WorkerGroup, tag: str
+    cidem: ModuleType, prefork_worker: Any, tag: str
 ) -> None:
     from celery.exceptions import SoftTimeLimitExceeded
 
-    queue = prefork_worker.queue  # type: ignore[attr-defined]
+    queue = prefork_worker.queue
     first = cidem.soft_limited.apply_async((tag, 5.0), queue=queue)
     started = wait_started(cidem, "soft_limited", tag)
     duplicate = cidem.soft_limited.apply_async((tag, 5.0), queue=queue)
