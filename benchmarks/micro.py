@@ -113,20 +113,17 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
 
     claim = client.register_script(_redis.CLAIM)
     commit = client.register_script(_redis.COMMIT)
-    record = ["1", "application/json", "utf-8", '{"status": "ok"}', "f" * 64, "1.5", "1"]
-    ms = [10_000, 604_800_000]
+    ms = [10_000]
 
     def scripts_first(i: int) -> Any:
-        lock, fence, rec = (
-            f"{prefix}s:lock:{{{i}}}",
-            f"{prefix}s:lock:{{{i}}}:fence",
-            f"{prefix}s:{{{i}}}",
-        )
-        claim(keys=[lock, fence, rec], args=["token", *ms])
-        return commit(keys=[lock, rec], args=["token", 86_400_000, *record])
+        lock, rec = f"{prefix}s:lock:{{{i}}}", f"{prefix}s:{{{i}}}"
+        fence = f"{lock}:fence"
+        token = claim(keys=[lock, rec, fence], args=["token", *ms])[1]
+        value = b"2|" + token + b"|27||" + b"f" * 64 + b'||{"status": "ok"}'
+        return commit(keys=[lock, rec, fence], args=[token + b"/token", 86_400_000, value, token])
 
     scripts_first(-1)
-    dup_keys = [f"{prefix}s:lock:{{-1}}", f"{prefix}s:lock:{{-1}}:fence", f"{prefix}s:{{-1}}"]
+    dup_keys = [f"{prefix}s:lock:{{-1}}", f"{prefix}s:{{-1}}", f"{prefix}s:lock:{{-1}}:fence"]
     cases.append(Case("scripts_first", "  its CLAIM + COMMIT scripts alone, first", scripts_first))
     cases.append(
         Case(
@@ -152,9 +149,9 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
 
     from celery_idempotent import fingerprint_payload
 
-    stored = [2, b"1", b"application/json", b"utf-8", b'{"status": "ok"}']
-    stored += [fingerprint_payload(payload(-1)).encode(), b"1.5", b"1"]
-    py_first = offline_guard([1, 1], "pf")
+    fp = fingerprint_payload(payload(-1)).encode()
+    stored = [2, b"2|1796000000000000|27||" + fp + b'||{"status": "ok"}']
+    py_first = offline_guard([1, b"1796000000000000"], "pf")
     py_dup = offline_guard(stored, "pd")
     cases.append(
         Case(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from celery_idempotent._txn import current_connection
 from celery_idempotent.backoff import ExponentialJitterBackoff
 from celery_idempotent.exceptions import (
     CommitUnknownError,
@@ -20,6 +21,7 @@ from celery_idempotent.exceptions import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
@@ -41,6 +43,7 @@ from celery_idempotent.stores.memory import MemoryIdempotencyStore
 
 if TYPE_CHECKING:
     from celery_idempotent.locks.redis import RedisLockProvider
+    from celery_idempotent.postgres import DjangoBackend, PostgresBackend
     from celery_idempotent.stores.redis import RedisIdempotencyStore
     from celery_idempotent.task import IdempotentTask
 
@@ -51,12 +54,14 @@ __all__ = [
     "Claim",
     "CommitUnknownError",
     "DistributedIdempotencyGuard",
+    "DjangoBackend",
     "ExponentialJitterBackoff",
     "GuardEvent",
     "IdempotencyAbortedError",
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
     "IdempotencyError",
+    "IdempotencyKeyMissingError",
     "IdempotencyMismatchError",
     "IdempotencyRecord",
     "IdempotencyStore",
@@ -68,11 +73,13 @@ __all__ = [
     "MemoryIdempotencyStore",
     "MemoryLockProvider",
     "Outcome",
+    "PostgresBackend",
     "RecordDecodeError",
     "RedisIdempotencyStore",
     "RedisLockProvider",
     "ResultEncodeError",
     "__version__",
+    "current_connection",
     "current_lease",
     "fingerprint_payload",
 ]
@@ -81,6 +88,8 @@ _LAZY = {
     "RedisLockProvider": "celery_idempotent.locks.redis",
     "RedisIdempotencyStore": "celery_idempotent.stores.redis",
     "IdempotentTask": "celery_idempotent.task",
+    "PostgresBackend": "celery_idempotent.postgres",
+    "DjangoBackend": "celery_idempotent.postgres",
 }
 
 

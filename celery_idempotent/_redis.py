@@ -21,6 +21,7 @@ import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
+from celery_idempotent import keyspace
 from celery_idempotent.exceptions import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
@@ -34,11 +35,11 @@ __all__ = [
     "ACQUIRE",
     "CLAIM",
     "COMMIT",
+    "DROP_FENCE",
     "EXTEND",
+    "FORGET",
     "READ_KEY",
-    "RECORD_FIELDS",
     "RELEASE",
-    "SET_RECORD",
     "SentinelClientFactory",
     "default_owner_id",
     "import_redis",
@@ -59,116 +60,252 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "health_check_interval": 30,
 }
 
-#: Hash fields of a record, in the order the scripts read and write them.
-#: v: format version; ct/enc/data: kombu's (content type, encoding, payload); fp: fingerprint
-#: ("" for none); at: guard clock at commit; fence: fencing token of the committing lease.
-RECORD_FIELDS = ("v", "ct", "enc", "data", "fp", "at", "fence")
-RECORD_VERSION = "1"
+# The scripts of layout v2 (see celery_idempotent.keyspace for the names, the record format and
+# why fencing tokens increase without a long-lived fence key). Lua numbers are doubles: a token
+# in µs since 1970 (about 1.8e15) is exact below 2**53.
 
-# Shared by ACQUIRE and CLAIM: take the free lock for ARGV[1] with a PX of ARGV[2] and hand out
-# the next fencing token: max(last + 1, server time in µs). The time floor keeps tokens
-# increasing even after the fence key expired (it lives fence_ttl, not forever, so that keys
-# no longer used do not pile up). TIME makes the script non-deterministic: effects replication
-# (the default from Redis 7, asked for explicitly on 6.x) replicates the writes, not the script.
-_TAKE = """
-local function take(lock, fence, token, px, fence_px)
-  redis.call('set', lock, token, 'PX', px)
-  local t = redis.call('time')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local last = tonumber(redis.call('get', fence) or '0')
-  local f = math.max(last + 1, now)
-  redis.call('set', fence, string.format('%d', f), 'PX', fence_px)
-  return f
-end
-local function fence_of(fence)
-  return tonumber(redis.call('get', fence) or '0')
-end
-if redis.replicate_commands then redis.replicate_commands() end
+# Sets now to the server's time in µs. TIME makes a script non-deterministic, which effects
+# replication (Redis's default since 5.0) handles: the writes are replicated, not the script.
+_NOW = """
+local t = redis.call('time')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 """
 
-# KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms  ARGV[3] fence ttl ms
-# -> fencing token (> 0) when taken (or already held by this very token), 0 when held by another
+
+# Keeps fencing token f (a string) in fence key fk while the server clock is not past it (op
+# ">="; a claim, whose lock carries the token past the clock, uses ">"): the key expires when
+# the clock passes the token. (Needs now.) ">=" covers the same microsecond: a release and the
+# next claim can read the same TIME.
+def _keep(fk: str, f: str, op: str = ">=") -> str:
+    return f"""
+if tonumber({f}) {op} now then
+  redis.call('set', {fk}, {f})
+  redis.call('pexpireat', {fk}, string.format('%d', math.floor(tonumber({f}) / 1000) + 1))
+end
+"""
+
+
+# Hands out the next fencing token for lock KEYS[1] and takes the lock for token ARGV[1] with a
+# lease of ARGV[2] ms; fv is the fence key fk's value (false when absent). Sets fs (the token,
+# a string).
+_TAKE = (
+    _NOW
+    + """
+local f = math.max(now, tonumber(fv or '0') + 1)
+local fs = string.format('%d', f)
+redis.call('set', KEYS[1], fs .. '{sep}' .. ARGV[1], 'PX', ARGV[2])
+"""
+)
+
+# A held lock's value is "<fencing token>/<token>": returns the fencing token already handed to
+# this very token (a resent claim), or 0 for a lock held by another.
+_HELD = """
+if held then
+  local n = #held - #ARGV[1]
+  if n > 1 and string.sub(held, n) == '{sep}' .. ARGV[1] then
+    return {ours}
+  end
+  return {theirs}
+end
+"""
+
+
+def _held(ours: str, theirs: str) -> str:
+    return (
+        _HELD.replace("{sep}", keyspace.LOCK_SEP)
+        .replace("{ours}", ours)
+        .replace("{theirs}", theirs)
+    )
+
+
+def _take(fk: str) -> str:
+    return _TAKE.replace("{sep}", keyspace.LOCK_SEP) + _keep(fk, "fs", ">")
+
+
+# KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms
+# -> fencing token (a string) when taken (or already held by this very token), 0 when held
 ACQUIRE = (
-    _TAKE
+    """
+local got = redis.call('mget', KEYS[1], KEYS[2])
+local held, fv = got[1], got[2]
+"""
+    + _held("string.sub(held, 1, n - 1)", "0")
+    + _take("KEYS[2]")
     + """
-local holder = redis.call('get', KEYS[1])
-if holder == ARGV[1] then return fence_of(KEYS[2]) end
-if holder then return 0 end
-return take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
+return fs
 """
 )
 
-# KEYS[1] lock  KEYS[2] fence  KEYS[3] record   ARGV as ACQUIRE
-# Lock first, then the store, in one step:
-# -> {0}                    the lock is held by another holder (the record is not looked at)
-# -> {1, fencing token}     the lock was free and there is no record: the lock is now ours
-# -> {2, v, ct, enc, data, fp, at, fence}   the lock was free and a record exists: not taken
+# KEYS[1] lock  KEYS[2] record  KEYS[3] fence   ARGV[1] token  ARGV[2] lease ms
+# Lock first, then the store, in one step (one MGET reads the lock, a v2 record and the fence):
+# -> {0}                  the lock is held by another holder (the record is not looked at)
+# -> {1, fencing token}   the lock was free and there is no record: the lock is now ours
+# -> {2, record}          the lock was free and a v2 record exists: not taken
+# -> {3, v1 fields...}    the lock was free and a v1 record (a hash) exists: not taken
+#                         (a hash without a v1 version field is taken over, as 0.1.0 did)
+# -> {4, value}           the lock was free and the record name holds another string
+# A key of another type (a list, ...) under the record name fails with WRONGTYPE.
 CLAIM = (
-    _TAKE
+    """
+local got = redis.call('mget', KEYS[1], KEYS[2], KEYS[3])
+local held, rec, fv = got[1], got[2], got[3]
+"""
+    + _held("{1, string.sub(held, 1, n - 1)}", "{0}")
     + """
-local holder = redis.call('get', KEYS[1])
-if holder == ARGV[1] then return {1, fence_of(KEYS[2])} end
-if holder then return {0} end
-local rec = redis.call('hmget', KEYS[3], 'v', 'ct', 'enc', 'data', 'fp', 'at', 'fence')
-if rec[1] then
-  return {2, rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]}
+if rec then
+  if string.sub(rec, 1, """
+    + str(len(keyspace.RECORD_HEAD))
+    + """) == '"""
+    + keyspace.RECORD_HEAD
+    + """' then return {2, rec} end
+  return {4, rec}
 end
-return {1, take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])}
+if redis.call('exists', KEYS[2]) == 1 then
+  local v1 = redis.call('hmget', KEYS[2], """
+    + keyspace.lua_list(keyspace.V1_RECORD_FIELDS)
+    + """)
+  if v1[1] then return {3, unpack(v1)} end
+end
+"""
+    + _take("KEYS[3]")
+    + """
+return {1, fs}
 """
 )
 
-# KEYS[1] lock  KEYS[2] record   ARGV[1] token  ARGV[2] record ttl ms  ARGV[3..9] RECORD_FIELDS
+# KEYS[1] lock  KEYS[2] record  KEYS[3] fence
+# ARGV[1] the lease's token  ARGV[2] record ttl ms  ARGV[3] the record  ARGV[4] fencing token
 # -> 1 committed and released; 0 not the holder (nothing written).
-# A retry of a commit that already went through finds its own record (same fence): 1.
-COMMIT = """
+# A resent commit that already went through finds its own record (same fencing token): 1.
+COMMIT = (
+    """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then
-  local fence = redis.call('hget', KEYS[2], 'fence')
-  if fence and fence == ARGV[9] and ARGV[9] ~= '' then return 1 end
+  local rec = redis.pcall('get', KEYS[2])
+  local head = '"""
+    + keyspace.RECORD_HEAD
+    + """' .. ARGV[4] .. '"""
+    + keyspace.SEP
+    + """'
+  if type(rec) == 'string' and string.sub(rec, 1, #head) == head then return 1 end
   return 0
 end
-redis.call('del', KEYS[2])
-redis.call('hset', KEYS[2], 'v', ARGV[3], 'ct', ARGV[4], 'enc', ARGV[5], 'data', ARGV[6],
-           'fp', ARGV[7], 'at', ARGV[8], 'fence', ARGV[9])
-redis.call('pexpire', KEYS[2], ARGV[2])
+redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[2])
 redis.call('del', KEYS[1])
+"""
+    + _NOW
+    + _keep("KEYS[3]", "ARGV[4]")
+    + """
 return 1
 """
+)
 
-# KEYS[1] record   ARGV[1] record ttl ms  ARGV[2..8] RECORD_FIELDS
-# Replace the record (the store used on its own, without the lock in the same script); one
-# script rather than MULTI/EXEC, which RedisCluster clients only support from redis-py 6.1.
-SET_RECORD = """
-redis.call('del', KEYS[1])
-redis.call('hset', KEYS[1], 'v', ARGV[2], 'ct', ARGV[3], 'enc', ARGV[4], 'data', ARGV[5],
-           'fp', ARGV[6], 'at', ARGV[7], 'fence', ARGV[8])
-redis.call('pexpire', KEYS[1], ARGV[1])
-return 1
-"""
-
-# KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV: the record's fields to read
-# -> {field values, payload size, record pttl, lock holder, lock pttl, last fence, fence pttl}
-# One consistent view of a key for the admin command (absent values are nil).
-READ_KEY = """
-return {redis.call('hmget', KEYS[1], unpack(ARGV)), redis.call('hstrlen', KEYS[1], 'data'),
-        redis.call('pttl', KEYS[1]), redis.call('get', KEYS[2]), redis.call('pttl', KEYS[2]),
-        redis.call('get', KEYS[3]), redis.call('pttl', KEYS[3])}
-"""
-
-# KEYS[1] lock   ARGV[1] token  ARGV[2] lease ms
+# KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms  ARGV[3] fencing token
 # -> 1 extended, 0 not the holder (nothing changed)
-EXTEND = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  return redis.call('pexpire', KEYS[1], ARGV[2])
-end
-return 0
+EXTEND = (
+    """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('pexpire', KEYS[1], ARGV[2])
 """
+    + _NOW
+    + _keep("KEYS[2]", "ARGV[3]")
+    + """
+return 1
+"""
+)
 
-# KEYS[1] lock   ARGV[1] token
+# KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] fencing token
 # -> 1 released, 0 not the holder (nothing changed)
-RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+RELEASE = (
+    """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('del', KEYS[1])
+"""
+    + _NOW
+    + _keep("KEYS[2]", "ARGV[2]")
+    + """
+return 1
+"""
+)
+
+# KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV[1] "1": the whole payload, else its head
+# One consistent view of a key for the admin command (absent values are nil):
+# -> {record type, record (string, or v1 fields), record size, record pttl, lock value,
+#     lock pttl, fence, fence pttl}
+READ_KEY = (
+    """
+local kind = redis.call('type', KEYS[1])['ok']
+local rec, size = false, 0
+if kind == 'string' then
+  size = redis.call('strlen', KEYS[1])
+  if ARGV[1] == '1' then rec = redis.call('get', KEYS[1])
+  else rec = redis.call('getrange', KEYS[1], 0, 1023) end
+elseif kind == 'hash' then
+  rec = redis.call('hmget', KEYS[1], """
+    + keyspace.lua_list(keyspace.V1_RECORD_FIELDS)
+    + """)
+  size = redis.call('hstrlen', KEYS[1], 'data')
+  if ARGV[1] ~= '1' then rec[4] = '' end
+end
+return {kind, rec, size, redis.call('pttl', KEYS[1]), redis.call('get', KEYS[2]),
+        redis.call('pttl', KEYS[2]), redis.call('get', KEYS[3]), redis.call('pttl', KEYS[3])}
+"""
+)
+
+# KEYS[1] fence   -> 1 deleted, 0 kept (absent, or the server clock is not past its token)
+DROP_FENCE = (
+    _NOW
+    + """
+local f = tonumber(redis.call('get', KEYS[1]) or '0')
+if f > 0 and f < now then return redis.call('del', KEYS[1]) end
 return 0
 """
+)
+
+# KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV[1] the lock value read ('' for none)
+# ARGV[2] "1": also a held lock  ARGV[3] "1": also the fence key
+# Forget a key (the admin command): the record; the lock only if it still holds the value
+# that was shown; the fence key only once the server clock has passed it. A fencing token
+# the record or lock carried that is ahead of the clock goes to the fence key.
+# -> {record deleted, lock deleted, fence deleted}
+FORGET = (
+    _NOW
+    + """
+local out = {0, 0, 0}
+local last = 0
+local rec = redis.pcall('get', KEYS[1])
+if type(rec) == 'string' and string.sub(rec, 1, """
+    + str(len(keyspace.RECORD_HEAD))
+    + """) == '"""
+    + keyspace.RECORD_HEAD
+    + """' then
+  local e = string.find(rec, '"""
+    + keyspace.SEP
+    + """', """
+    + str(len(keyspace.RECORD_HEAD) + 1)
+    + """, true)
+  last = tonumber(string.sub(rec, """
+    + str(len(keyspace.RECORD_HEAD) + 1)
+    + """, e - 1)) or 0
+end
+out[1] = redis.call('del', KEYS[1])
+if ARGV[2] == '1' and ARGV[1] ~= '' and redis.call('get', KEYS[2]) == ARGV[1] then
+  local cut = string.find(ARGV[1], '"""
+    + keyspace.LOCK_SEP
+    + """', 1, true)
+  if cut then last = math.max(last, tonumber(string.sub(ARGV[1], 1, cut - 1)) or 0) end
+  out[2] = redis.call('del', KEYS[2])
+end
+local f = tonumber(redis.call('get', KEYS[3]) or '0')
+if ARGV[3] == '1' and f > 0 and f <= now then out[3] = redis.call('del', KEYS[3]) end
+if last > f then
+  local ls = string.format('%d', last)
+"""
+    + _keep("KEYS[3]", "ls")
+    + """
+end
+return out
+"""
+)
 
 
 def import_redis() -> Any:
@@ -214,26 +351,74 @@ def _redact(url: str) -> str:
 
 
 def same_server(a: Any, b: Any) -> bool:
-    """Whether two redis-py clients talk to the same server and database."""
+    """Whether two redis-py clients talk to the same server (or deployment) and database."""
+    return why_not_same_server(a, b) is None
+
+
+def _cluster_nodes(client: Any) -> set[str]:
+    try:
+        return {str(node.name) for node in client.get_nodes()}
+    except Exception:  # a client that cannot list its nodes
+        return set()
+
+
+def _sentinels(pool: Any) -> set[tuple[Any, Any]]:
+    manager = getattr(pool, "sentinel_manager", None)
+    found = set()
+    for sentinel in getattr(manager, "sentinels", None) or ():
+        kwargs = getattr(getattr(sentinel, "connection_pool", None), "connection_kwargs", {})
+        found.add((kwargs.get("host"), kwargs.get("port")))
+    return found
+
+
+def why_not_same_server(a: Any, b: Any) -> str | None:
+    """``None`` when two redis-py clients reach the same data (the same client, pool, server
+    and database; two ``RedisCluster`` clients that know a node in common; two Sentinel
+    masters of one service watched by a Sentinel in common, same database), else why not.
+    """
     if a is b:
-        return True
+        return None
+    cluster_a = getattr(a, "nodes_manager", None) is not None
+    cluster_b = getattr(b, "nodes_manager", None) is not None
+    if cluster_a or cluster_b:
+        if not (cluster_a and cluster_b):
+            return "one client is a RedisCluster client and the other is not"
+        nodes_a, nodes_b = _cluster_nodes(a), _cluster_nodes(b)
+        if nodes_a & nodes_b:
+            return None
+        return (
+            f"the two RedisCluster clients know no node in common ({sorted(nodes_a)[:3]} and "
+            f"{sorted(nodes_b)[:3]}): pass one client to both, or clients of one cluster"
+        )
     pool_a = getattr(a, "connection_pool", None)
     pool_b = getattr(b, "connection_pool", None)
     if pool_a is None or pool_b is None:
-        return False
+        return "a client has no connection pool to compare"
     if pool_a is pool_b:
-        return True
-    # A Sentinel pool names no host or port: its service and its Sentinel manager decide.
-    if getattr(pool_a, "service_name", None) or getattr(pool_b, "service_name", None):
-        return (
-            getattr(pool_a, "service_name", None) == getattr(pool_b, "service_name", None)
-            and getattr(pool_a, "sentinel_manager", None)
-            is getattr(pool_b, "sentinel_manager", None)
-            and pool_a.connection_kwargs.get("db") == pool_b.connection_kwargs.get("db")
-        )
+        return None
+    kw_a = getattr(pool_a, "connection_kwargs", {}) or {}
+    kw_b = getattr(pool_b, "connection_kwargs", {}) or {}
+    # A Sentinel pool names no host or port: its service and its Sentinels decide.
+    service_a = getattr(pool_a, "service_name", None)
+    service_b = getattr(pool_b, "service_name", None)
+    if service_a or service_b:
+        if service_a != service_b:
+            return f"Sentinel services differ ({service_a!r} and {service_b!r})"
+        if kw_a.get("db") != kw_b.get("db"):
+            return f"databases differ ({kw_a.get('db')} and {kw_b.get('db')})"
+        if getattr(pool_a, "sentinel_manager", None) is getattr(pool_b, "sentinel_manager", None):
+            return None
+        if _sentinels(pool_a) & _sentinels(pool_b):
+            return None
+        return f"the two Sentinel clients of {service_a!r} share no Sentinel"
     keys = ("host", "port", "db", "path", "username")
-    kw_a, kw_b = pool_a.connection_kwargs, pool_b.connection_kwargs
-    return type(a) is type(b) and all(kw_a.get(k) == kw_b.get(k) for k in keys)
+    differ = [k for k in keys if kw_a.get(k) != kw_b.get(k)]
+    if differ:
+        shown = ", ".join(f"{k} {kw_a.get(k)!r} and {kw_b.get(k)!r}" for k in differ)
+        return f"the clients point at different servers or databases ({shown})"
+    if type(a) is not type(b):
+        return f"the clients are of different types ({type(a).__name__}, {type(b).__name__})"
+    return None
 
 
 def decodes_responses(client: Any) -> bool:

@@ -50,12 +50,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent import _redis
+from celery_idempotent import _redis, keyspace
 from celery_idempotent._health import eviction_policy, eviction_warning
-from celery_idempotent.exceptions import IdempotencyError, RecordDecodeError
-from celery_idempotent.keys import _HEAD as HEAD_CHARS
-from celery_idempotent.keys import MAX_READABLE_KEY, lock_resource, record_key
-from celery_idempotent.locks.redis import RedisLockProvider
+from celery_idempotent.exceptions import (
+    IdempotencyError,
+    IdempotencyKeyMissingError,
+    RecordDecodeError,
+)
+from celery_idempotent.keyspace import (
+    HEAD_CHARS,
+    MAX_READABLE_KEY,
+    SHORTENED_MARK,
+    fence_name,
+    lock_name,
+    record_name,
+    task_key,
+)
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 
 if TYPE_CHECKING:
@@ -72,59 +82,24 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: What follows the task name in a namespaced key (see ``IdempotentTask.idempotency_key_for``).
-KIND_MARKERS = (":args:", ":id:", ":key:")
-#: A shortened key (see :func:`celery_idempotent.keys.slot_key`) is ``<head>…#<sha256>``.
-SHORTENED_MARK = "…#"
 DEFAULT_BATCH = 1000
 #: How many names a dry run or a summary lists.
 SAMPLE = 10
-#: The record fields ``inspect`` reads: everything but the payload itself.
-META_FIELDS = ("v", "ct", "enc", "fp", "at", "fence")
 
 
 # --------------------------------------------------------------------------- names
 
 
 def parse_redis_name(name: str, prefix: str) -> tuple[str, str] | None:
-    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name.
-
-    ``kind`` is ``"record"`` (``<prefix>{slot}``), ``"lock"`` (``<prefix>lock:{slot}``) or
-    ``"fence"`` (``<prefix>lock:{slot}:fence``); ``slot`` is the key as it appears between the
-    hash-tag braces (the namespaced key, or its shortened form).
-    """
-    if not name.startswith(prefix):
-        return None
-    rest = name[len(prefix) :]
-    if rest.startswith("lock:{"):
-        body = rest[len("lock:{") :]
-        if body.endswith("}:fence"):
-            kind, slot = "fence", body[: -len("}:fence")]
-        elif body.endswith("}"):
-            kind, slot = "lock", body[:-1]
-        else:
-            return None
-    elif rest.startswith("{") and rest.endswith("}"):
-        kind, slot = "record", rest[1:-1]
-    else:
-        return None
-    if not slot or "{" in slot or "}" in slot:
-        return None
-    return kind, slot
+    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name
+    (see ``celery_idempotent.keyspace.parse_name``)."""
+    return keyspace.parse_name(name, prefix)
 
 
 def task_of_slot(slot: str) -> str | None:
-    """The task name at the start of a slot (``<task>:args:...`` and so on), or ``None``.
-
-    The earliest kind marker wins: an explicit key may itself contain ``:key:``. A shortened
-    slot whose 64-character head ends before the marker has no recognisable task: ``None``.
-    """
-    best: int | None = None
-    for marker in KIND_MARKERS:
-        index = slot.find(marker)
-        if index > 0 and (best is None or index < best):
-            best = index
-    return None if best is None else slot[:best]
+    """The task name at the start of a slot, or ``None``
+    (see ``celery_idempotent.keyspace.task_of_slot``)."""
+    return keyspace.task_of_slot(slot)
 
 
 def _tagged_task(task: str) -> str:
@@ -195,8 +170,10 @@ class KeyInfo:
     """What Redis holds for one idempotency key, read in one round trip (one script).
 
     ``state`` is ``"completed"`` (a record exists), ``"in_progress"`` (no record, the lock is
-    held) or ``"absent"``. The payload is not read unless asked for (``values``); ``size``
-    is its length in bytes (``HSTRLEN``).
+    held) or ``"absent"``. The payload is not read unless asked for (``raw``); ``size`` is its
+    length in bytes. ``last_fence`` is the highest fencing token the key's keys carry (record,
+    lock, fence key); ``fence_ttl`` the fence key's time left (it exists only while the server
+    clock is behind a token, or for up to 7 days after 0.1.0 wrote it).
     """
 
     key: str
@@ -209,8 +186,15 @@ class KeyInfo:
     lock_ttl: float | None
     last_fence: int | None
     fence_ttl: float | None
-    #: The raw values of ``RECORD_FIELDS``, payload included (only when read ``with_data``).
-    values: list[Any] = field(default_factory=list)
+    #: The stored record, payload included (only when read ``with_data``): the v2 string, or
+    #: the values of the v1 hash's fields.
+    raw: Any = None
+    #: The record's layout: ``"2"``, or ``"1"`` for a record written by 0.1.0.
+    layout: str | None = None
+    #: The fencing token of the lease that holds the lock now.
+    lease_fence: int | None = None
+    #: The fence key's value (``None``: there is no fence key).
+    fence_value: int | None = None
 
     @property
     def state(self) -> str:
@@ -226,7 +210,7 @@ class KeyInfo:
         """The owner id of the lock's holder (the token after ``@``), or ``None``."""
         if self.lock_token is None:
             return None
-        return self.lock_token.split("@", 1)[1] if "@" in self.lock_token else self.lock_token
+        return keyspace.parse_lock_value(self.lock_token)[1]
 
     def age(self, now: float) -> float | None:
         """Seconds since the record was committed, by the committing worker's clock."""
@@ -267,31 +251,64 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     ``key`` is the namespaced key (``<task>:key:payment-42``); the names are derived as the
     guard derives them. One script (``READ_KEY``): the three names share a hash slot, so this
     also works on a Redis Cluster client (with any redis-py), and the view is consistent.
+    Records of layout v1 (0.1.0) are read as well.
     """
-    rname = record_key(prefix, key)
-    lname = lock_resource(prefix, key)
-    fname = RedisLockProvider.fence_key(lname)
-    fields = list(META_FIELDS) + (["data"] if with_data else [])
+    rname = record_name(prefix, key)
+    lname = lock_name(prefix, key)
+    fname = fence_name(lname)
     read = client.register_script(_redis.READ_KEY)
-    reply = read(keys=[rname, lname, fname], args=fields)
-    values, size, rttl, token, lttl, fence, fttl = reply
+    reply = read(keys=[rname, lname, fname], args=["1" if with_data else "0"])
+    kind, rec, size, rttl, token, lttl, fence, fttl = reply
+    kind = _text(kind)
     record: dict[str, Any] | None = None
-    meta = dict(zip(fields, values))
-    if any(v is not None for v in values):
-        at = _text(meta["at"])
+    layout: str | None = None
+    raw: Any = None
+    if kind == "string" and rec is not None:
+        value = rec.encode("utf-8", "surrogateescape") if isinstance(rec, str) else bytes(rec)
         try:
-            committed_at = float(at) if at else None
+            fields = keyspace.decode_record(value, rname)
         except ValueError:
-            committed_at = None
-        record = {
-            "version": _text(meta["v"]),
-            "content_type": _text(meta["ct"]),
-            "encoding": _text(meta["enc"]),
-            "size": int(size),
-            "fingerprint": _text(meta["fp"]) or None,
-            "committed_at": committed_at,
-            "fencing_token": _int(meta["fence"]),
-        }
+            fields = None
+        if fields is not None:
+            layout, raw = keyspace.RECORD_VERSION, value if with_data else None
+            header = len(value) - len(fields.data)
+            record = {
+                "version": layout,
+                "content_type": _content_type(fields.serializer),
+                "encoding": _content_encoding(fields.serializer),
+                "size": int(size) - header,
+                "fingerprint": fields.fingerprint,
+                "committed_at": fields.created_at,
+                "fencing_token": fields.fencing_token,
+                "task_id": fields.task_id,
+            }
+    elif kind == "hash" and rec:
+        meta = dict(zip(keyspace.V1_RECORD_FIELDS, rec))
+        if any(v is not None for v in rec):
+            layout, raw = keyspace.V1_VERSION, list(rec) if with_data else None
+            at = _text(meta["at"])
+            try:
+                committed_at = float(at) if at else None
+            except ValueError:
+                committed_at = None
+            record = {
+                "version": _text(meta["v"]),
+                "content_type": _text(meta["ct"]),
+                "encoding": _text(meta["enc"]),
+                "size": int(size),
+                "fingerprint": _text(meta["fp"]) or None,
+                "committed_at": committed_at,
+                "fencing_token": _int(meta["fence"]),
+                "task_id": None,
+            }
+    lock_token = _text(token)
+    lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
+    fence_key = _int(fence)
+    known = [
+        f
+        for f in (fence_key, lease_fence, (record or {}).get("fencing_token"))
+        if isinstance(f, int)
+    ]
     return KeyInfo(
         key=key,
         record_name=rname,
@@ -299,12 +316,30 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
         fence_name=fname,
         record=record,
         record_ttl=_ttl(rttl) if record is not None else None,
-        lock_token=_text(token),
+        lock_token=lock_token,
         lock_ttl=_ttl(lttl) if token is not None else None,
-        last_fence=_int(fence),
+        last_fence=max(known) if known else None,
         fence_ttl=_ttl(fttl) if fence is not None else None,
-        values=[meta.get(name) for name in _redis.RECORD_FIELDS] if with_data else [],
+        raw=raw,
+        layout=layout,
+        lease_fence=lease_fence,
+        fence_value=fence_key,
     )
+
+
+def _content_type(serializer: str | None) -> str | None:
+    """kombu's content type for a serializer name, or the name itself when unknown."""
+    import kombu.serialization  # noqa: PLC0415 - the CLI has Celery, so kombu, anyway
+
+    codec = kombu.serialization.registry._encoders.get(serializer or "")
+    return codec.content_type if codec is not None else serializer
+
+
+def _content_encoding(serializer: str | None) -> str | None:
+    import kombu.serialization  # noqa: PLC0415
+
+    codec = kombu.serialization.registry._encoders.get(serializer or "")
+    return codec.content_encoding if codec is not None else None
 
 
 # --------------------------------------------------------------------------- settings
@@ -344,6 +379,11 @@ class Target:
     prefix: str
     task: Any = None
     quiet: bool = False
+
+    def namespace(self, task_name: str) -> str:
+        """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
+        app's, for a task this app does not register), else the name itself."""
+        return self.settings.idempotency_namespace or task_name
 
     @property
     def shown_url(self) -> str:
@@ -563,10 +603,11 @@ def _one_key(
             "--task NAME is needed: keys are namespaced by task name (or pass --raw with the "
             "namespaced key)"
         )
+    namespace = target.namespace(task_name)
     if key is not None:
-        return f"{task_name}:key:{key}"
+        return task_key(namespace, "key", key)
     if task_id is not None:
-        return f"{task_name}:id:{task_id}"
+        return task_key(namespace, "id", task_id)
     return _args_key(target, task_name, args_json, kwargs_json)
 
 
@@ -585,7 +626,7 @@ def _args_key(
     kwargs = _json_arg(kwargs_json, "--kwargs", dict)
     try:
         return str(task.idempotency_key_for(tuple(args), kwargs))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IdempotencyKeyMissingError) as exc:
         raise click.BadParameter(str(exc), param_hint="--args/--kwargs") from exc
 
 
@@ -690,7 +731,9 @@ def _decode_result(target: Target, info: KeyInfo) -> tuple[Any, str | None]:
         store = RedisIdempotencyStore(
             target.client, serializer=conf.get("result_serializer") or "json", accept=accept
         )
-        return store.decode(info.key, info.values).result, None
+        if info.layout == keyspace.V1_VERSION:
+            return store.decode_v1(info.key, info.raw).result, None
+        return store.decode(info.key, info.raw).result, None
     except (RecordDecodeError, TypeError, ValueError) as exc:
         return None, str(exc)
 
@@ -715,12 +758,12 @@ def _print_key(
             ("lease left", format_duration(info.lock_ttl)),
         ]
         if rec is None:
-            rows.append(("fencing token", f"{info.last_fence or '-'} (current lease)"))
+            rows.append(("fencing token", f"{info.lease_fence or '-'} (current lease)"))
     elif rec is not None:
         rows.append(("lock", "free"))
-    if rec is None and info.lock_token is None and info.last_fence is not None:
+    if rec is None and info.lock_token is None and info.fence_value is not None:
         rows.append(
-            ("last fence", f"{info.last_fence} (expires in {format_duration(info.fence_ttl)})")
+            ("last fence", f"{info.fence_value} (expires in {format_duration(info.fence_ttl)})")
         )
     rows += [("record name", info.record_name), ("lock name", info.lock_name)]
     _pairs(rows)
@@ -794,7 +837,7 @@ def forget(
         _forget_task(
             ctx,
             target,
-            task_name,
+            target.namespace(task_name),
             dry_run=dry_run,
             yes=yes,
             force=force,
@@ -868,7 +911,7 @@ def _forget_one(
                 click.echo(f"refused: {doc['refused']}", err=True)
             ctx.exit(1)
         plan.append(info.lock_name)
-    if include_fences and info.last_fence is not None:
+    if include_fences and info.fence_value is not None:
         plan.append(info.fence_name)
     if not plan:
         if as_json:
@@ -893,18 +936,30 @@ def _forget_one(
             err=True,
         )
     deleted: list[str] = []
-    if info.record is not None and target.client.delete(info.record_name):
+    # One script: the lock is compared with the token that was shown (a lease taken since is
+    # someone else's and stays); a fence key is deleted only once the server clock has passed
+    # it; a fencing token ahead of the clock is kept in the fence key.
+    forget_script = target.client.register_script(_redis.FORGET)
+    gone_record, gone_lock, gone_fence = forget_script(
+        keys=[info.record_name, info.lock_name, info.fence_name],
+        args=[
+            info.lock_token or "",
+            "1" if info.lock_token is not None else "0",
+            "1" if include_fences else "0",
+        ],
+    )
+    if info.record is not None and gone_record:
         deleted.append(info.record_name)
     if info.lock_token is not None:
-        # Compare-and-delete with the token that was shown: a lease taken since (the shown
-        # one expired) is someone else's and stays.
-        release = target.client.register_script(_redis.RELEASE)
-        if release(keys=[info.lock_name], args=[info.lock_token]):
+        if gone_lock:
             deleted.append(info.lock_name)
         else:
             doc["lock_changed"] = True
-    if include_fences and info.last_fence is not None and target.client.delete(info.fence_name):
-        deleted.append(info.fence_name)
+    if include_fences and info.fence_value is not None:
+        if gone_fence:
+            deleted.append(info.fence_name)
+        else:
+            doc["fence_kept"] = True
     doc["deleted"] = deleted
     if as_json:
         _emit_json(doc)
@@ -913,6 +968,10 @@ def _forget_one(
         click.echo(f"deleted {name}")
     if doc.get("lock_changed"):
         click.echo(f"kept {info.lock_name}: it changed hands since it was read", err=True)
+    if doc.get("fence_kept"):
+        click.echo(
+            f"kept {info.fence_name}: the server clock is behind its fencing token", err=True
+        )
     if not deleted:
         click.echo("nothing deleted: the key changed since it was read")
 
@@ -1102,13 +1161,22 @@ def _delete_task(
     batch: list[tuple[str, bytes]] = []
     batches = 0
 
+    drop_fence = target.client.register_script(_redis.DROP_FENCE)
+
     def flush() -> None:
         nonlocal batches
-        # One DEL per name: on a cluster the names live in different slots.
+        # One DEL per name: on a cluster the names live in different slots. A fence key is
+        # deleted by a script of its own, only once the server clock has passed it (fence
+        # keys are rare in layout v2: 0.1.0's, or a token ahead of a clock that stepped back).
         pipe = target.client.pipeline(transaction=False)
-        for _, raw in batch:
-            pipe.delete(raw)
-        for (kind, _), gone in zip(batch, pipe.execute()):
+        for kind, raw in batch:
+            if kind != "fence":
+                pipe.delete(raw)
+        replies = iter(pipe.execute())
+        results = [
+            drop_fence(keys=[raw]) if kind == "fence" else next(replies) for kind, raw in batch
+        ]
+        for (kind, _), gone in zip(batch, results):
             if gone and kind == "record":
                 done.records += 1
             elif gone and kind == "fence":
@@ -1184,7 +1252,8 @@ def stats(
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
     per_task: dict[str, dict[str, int]] = {}
     scan = _Scan()
-    for found, (kind, task, _) in enumerate(_names(target, task_name, batch_size, scan), 1):
+    namespace = None if task_name is None else target.namespace(task_name)
+    for found, (kind, task, _) in enumerate(_names(target, namespace, batch_size, scan), 1):
         counts = per_task.setdefault(task, {"completed": 0, "in_progress": 0})
         counts["completed" if kind == "record" else "in_progress"] += 1
         if found % (batch_size * 10) == 0:

@@ -6,6 +6,7 @@ One root, every error carrying the idempotency key it concerns::
     ├── LockAcquisitionError          .attempts      the key stayed locked through every attempt
     ├── IdempotencyAbortedError       .attempts      the abort event was set before the body ran
     ├── IdempotencyMismatchError      .stored_fingerprint, .fingerprint
+    ├── IdempotencyKeyMissingError    .task, .field  a key format field (or key callable) gave None
     ├── LockLostError                 .result        body ran, lease lost: not committed
     │   └── CommitUnknownError        .result        body ran, commit sent but never confirmed
     ├── IdempotencyBackendError                      a store or lock failed (chains the cause)
@@ -28,6 +29,7 @@ __all__ = [
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
     "IdempotencyError",
+    "IdempotencyKeyMissingError",
     "IdempotencyMismatchError",
     "LockAcquisitionError",
     "LockLostError",
@@ -110,6 +112,39 @@ class IdempotencyMismatchError(IdempotencyError):
         return (
             "idempotency key reused with a different payload "
             f"(stored fingerprint {self.stored_fingerprint}, this call {self.fingerprint})"
+        )
+
+
+class IdempotencyKeyMissingError(IdempotencyError):
+    """A call has no idempotency key: a field of the key's format string is ``None``
+    (``"user:{user_id}"`` called with ``user_id=None``), or the key callable returned ``None``.
+
+    Without this error every such call would share one key (``user:None``) and a second user
+    would get the first one's result. ``key`` is the key's template (or ``None`` for a
+    callable), ``task`` the task's name, ``field`` the field that was ``None`` (``None`` for a
+    callable). The body was not run. ``idempotency_missing_key="run"`` runs such calls
+    unguarded instead.
+    """
+
+    def __init__(
+        self,
+        key: str | None = None,
+        task: str | None = None,
+        field: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        Exception.__init__(self, key, task, field, message)
+        self.key = key
+        self.task = task
+        self.field = field
+        self.message = message
+
+    def _describe(self) -> str:
+        if self.field is None:
+            return f"the idempotency_key callable of task {self.task} returned None: no key"
+        return (
+            f"the idempotency key of task {self.task} is missing: its field {self.field!r} "
+            "is None (set idempotency_missing_key='run' to run such calls unguarded)"
         )
 
 

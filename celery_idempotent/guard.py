@@ -40,7 +40,8 @@ from celery_idempotent.exceptions import (
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.keys import fingerprint_payload, key_digest, lock_resource, record_key
+from celery_idempotent.keys import fingerprint_payload, key_digest
+from celery_idempotent.keyspace import lock_name, record_name
 from celery_idempotent.protocols import (
     AtomicBackend,
     Claim,
@@ -207,11 +208,11 @@ class DistributedIdempotencyGuard:
 
     def lock_resource(self, key: str) -> str:
         """The name of ``key``'s lock: ``{key_prefix}lock:{<key>}`` (braces: a hash tag)."""
-        return lock_resource(self.key_prefix, key)
+        return lock_name(self.key_prefix, key)
 
     def record_key(self, key: str) -> str:
         """The name of ``key``'s record in the store: ``{key_prefix}{<key>}``."""
-        return record_key(self.key_prefix, key)
+        return record_name(self.key_prefix, key)
 
     def execute(
         self,
@@ -265,8 +266,8 @@ class DistributedIdempotencyGuard:
         if fingerprint is None and input is not ABSENT:
             fingerprint = self.fingerprint_fn(input)
         started = self.clock()
-        resource = lock_resource(self.key_prefix, key)
-        rkey = record_key(self.key_prefix, key)
+        resource = lock_name(self.key_prefix, key)
+        rkey = record_name(self.key_prefix, key)
 
         lease, record, attempts = self._claim(key, resource, rkey, abort, started)
         if lease is None:
@@ -281,7 +282,9 @@ class DistributedIdempotencyGuard:
             if record is not None:
                 return self._replay(key, record, fingerprint, attempts, started)
             value, renewal = self._run_body(key, fn, lease, started)
-            new = IdempotencyRecord(value, fingerprint, self.clock(), lease.fencing_token)
+            # Whole µs: the Redis store writes those compactly (see keyspace).
+            stamp = round(self.clock(), 6)
+            new = IdempotencyRecord(value, fingerprint, stamp, lease.fencing_token)
             committed = self._commit(key, rkey, lease, new, started, renewal=renewal)
             return Outcome(value, False, lease.fencing_token, attempts)
         finally:

@@ -1,4 +1,4 @@
-"""Payload fingerprints and the names of a key's lock and record.
+"""Payload fingerprints (the names of a key's lock and record live in ``keyspace``).
 
 ``fingerprint_payload`` hashes a canonical encoding of what Celery users pass as arguments, so
 the same payload gives the same fingerprint in any process, on any Python version, in any dict
@@ -17,11 +17,12 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
+from celery_idempotent import keyspace
+
 __all__ = ["fingerprint_payload", "key_digest", "lock_resource", "record_key", "slot_key"]
 
-#: Keys longer than this are shortened in Redis names: a readable head plus a digest.
-MAX_READABLE_KEY = 200
-_HEAD = 64
+MAX_READABLE_KEY = keyspace.MAX_READABLE_KEY
+_HEAD = keyspace.HEAD_CHARS
 
 
 def fingerprint_payload(payload: Any) -> str:
@@ -132,31 +133,8 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def slot_key(key: str) -> str:
-    """The key as it appears inside Redis names: the part between the hash-tag braces.
-
-    Short keys without braces stay as they are, so ``redis-cli`` shows them. A key with a brace
-    (which would end or nest the hash tag) or longer than ``MAX_READABLE_KEY`` becomes a
-    readable head plus the sha256 of the whole key.
-    """
-    if len(key) <= MAX_READABLE_KEY and "{" not in key and "}" not in key and key:
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate (from JSON "\\udcff"): Redis needs bytes
-            pass
-        else:
-            return key
-    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-    head = key[:_HEAD].replace("{", "(").replace("}", ")")
-    head = head.encode("utf-8", "replace").decode("utf-8")
-    return f"{head}…#{digest}"
-
-
-def lock_resource(prefix: str, key: str) -> str:
-    """``{prefix}lock:{<key>}``: the key's lock, in the same Redis Cluster slot as its record."""
-    return f"{prefix}lock:{{{slot_key(key)}}}"
-
-
-def record_key(prefix: str, key: str) -> str:
-    """``{prefix}{<key>}``: where the key's committed record is stored."""
-    return f"{prefix}{{{slot_key(key)}}}"
+# The Redis names moved to celery_idempotent.keyspace (the one module that spells them);
+# these names stay importable from here, as in 0.1.0.
+slot_key = keyspace.slot_key
+lock_resource = keyspace.lock_name
+record_key = keyspace.record_name

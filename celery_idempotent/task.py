@@ -21,25 +21,42 @@ from typing import Any, ClassVar
 
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from celery_idempotent import _green, signals
 from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent._redis import SentinelClientFactory, import_redis, make_client
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
+    IdempotencyKeyMissingError,
     LockAcquisitionError,
+    LockLostError,
 )
-from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, current_lease
+from celery_idempotent.guard import ABSENT, DistributedIdempotencyGuard, GuardEvent, current_lease
 from celery_idempotent.keys import fingerprint_payload, key_digest
+from celery_idempotent.keyspace import task_key
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
-from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
+from celery_idempotent.settings import (
+    NOT_SET,
+    IdempotencySettings,
+    declared_by_task,
+    make_client_from,
+    never_stored,
+    resolve,
+)
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.stores.redis import RedisIdempotencyStore
 
-__all__ = ["KEY_HEADER", "REQUEUE_HEADER", "IdempotentTask", "reset_backends"]
+__all__ = [
+    "FAILURE_MARKER",
+    "KEY_HEADER",
+    "REQUEUE_HEADER",
+    "IdempotentTask",
+    "check_namespaces",
+    "reset_backends",
+]
 
 log = logging.getLogger("celery_idempotent")
 
@@ -48,6 +65,10 @@ log = logging.getLogger("celery_idempotent")
 KEY_HEADER = "idempotency_key"
 #: How many times a duplicate was re-queued because its key was held (drives the countdown).
 REQUEUE_HEADER = "idempotency_requeues"
+
+#: The key of the envelope in which a failure listed in ``idempotency_store_errors`` is stored:
+#: ``{FAILURE_MARKER: 1, "exc": <the exception as Celery's result backend serializes it>}``.
+FAILURE_MARKER = "__celery_idempotent_failure__"
 
 #: The longest wait between two lock attempts of one delivery (the guard's back-off), and
 #: between re-tries of an eager ``apply()`` whose key is held: the caller is blocked meanwhile.
@@ -117,10 +138,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ``idempotency_key`` header; else the ``idempotency_key`` option or setting: ``"args"``
     (the canonical hash of the arguments bound to the signature, defaults applied),
     ``"task_id"``, a format string over the bound arguments (``"order:{order_id}"``), or a
-    callable ``(task, args, kwargs) -> str``. Keys are namespaced by task name.
+    callable ``(task, args, kwargs) -> str``. Keys are namespaced by the task's name, or by
+    ``idempotency_namespace``. A key whose format field is ``None`` (or a callable's ``None``)
+    raises ``IdempotencyKeyMissingError``, or runs unguarded with
+    ``idempotency_missing_key="run"``.
 
-    The fingerprint of the bound arguments is stored with the result: a later delivery with
-    the same key and other arguments fails with ``IdempotencyMismatchError``.
+    The fingerprint of the bound arguments (or of those ``idempotency_fingerprint`` names) is
+    stored with the result: a later delivery with the same key and other arguments fails with
+    ``IdempotencyMismatchError``. A body that raises one of ``idempotency_store_errors``
+    stores that failure; its duplicates raise it again without running the body.
 
     Inside the body, :func:`celery_idempotent.current_lease` gives the lease and its fencing
     token. A direct call ``task(...)`` (no Celery request) runs the body plainly.
@@ -131,6 +157,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
     idempotency_url: ClassVar[str | None] = None
     idempotency_client: ClassVar[Any] = None
     idempotency_key: ClassVar[Any] = None
+    #: ``NOT_SET``, not ``None``: a task's own ``idempotency_fingerprint=None`` means "no check".
+    idempotency_fingerprint: ClassVar[Any] = NOT_SET
+    idempotency_missing_key: ClassVar[str | None] = None
+    idempotency_namespace: ClassVar[str | None] = None
+    idempotency_store_errors: ClassVar[Any] = None
     idempotency_ttl: ClassVar[Any] = None
     idempotency_lock_ttl: ClassVar[Any] = None
     idempotency_retry_count: ClassVar[int | None] = None
@@ -156,21 +187,73 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # Every delivery gets a request of its own (the tracer pushes a fresh one); a direct
         # call finds this one, or the copy Task.__call__ pushes of it, marked.
         setattr(request, _GUARDED, True)
+        try:
+            prepared = self._prepare_call(cfg, args, kwargs)
+            if prepared is None:  # no key, idempotency_missing_key="run"
+                return super().__call__(*args, **kwargs)
+            return self._guarded_call(cfg, prepared, args, kwargs)
+        finally:
+            setattr(request, _GUARDED, False)
+
+    def _prepare_call(
+        self, cfg: IdempotencySettings, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, Any, str | None] | None:
+        """(key, payload, fingerprint) of this delivery; ``None``: run it unguarded."""
         payload = self._bound_arguments(args, kwargs)
-        fingerprint = fingerprint_payload(payload)
-        key = self.idempotency_key_for(args, kwargs, payload=payload, fingerprint=fingerprint)
+        args_hash = fingerprint_payload(payload) if _hashes_args(cfg) else None
+        try:
+            key = self.idempotency_key_for(args, kwargs, payload=payload, fingerprint=args_hash)
+        except IdempotencyKeyMissingError as exc:
+            if cfg.idempotency_missing_key != "run":
+                raise
+            log.warning(
+                "no idempotency key for %s[%s] (%s is None): running it unguarded "
+                "(idempotency_missing_key='run')",
+                self.name,
+                self.request.id,
+                f"field {exc.field!r}" if exc.field is not None else "the key callable",
+            )
+            return None
+        if cfg.idempotency_fingerprint == "args":
+            return key, payload, args_hash
+        return key, payload, self.idempotency_fingerprint_for(args, kwargs, payload=payload)
+
+    def _guarded_call(
+        self,
+        cfg: IdempotencySettings,
+        prepared: tuple[str, Any, str | None],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        request = self.request
+        key, payload, fingerprint = prepared
         guard = self._guard(cfg)
         started: list[bool] = []
+        failed: list[BaseException] = []
+        store_errors = cfg.idempotency_store_errors
 
         def body() -> Any:
             started.append(True)
-            return super(IdempotentTask, self).__call__(*args, **kwargs)
+            if not store_errors:
+                return super(IdempotentTask, self).__call__(*args, **kwargs)
+            try:
+                return super(IdempotentTask, self).__call__(*args, **kwargs)
+            except store_errors as exc:
+                if isinstance(exc, never_stored()):
+                    raise
+                failed.append(exc)
+                return self._failure_envelope(exc)
 
         token = _current_guard.set((guard, self.name, request.id))
         try:
             while True:
                 try:
-                    outcome = guard.run(key, body, input=payload, fingerprint=fingerprint)
+                    outcome = guard.run(
+                        key,
+                        body,
+                        input=payload if fingerprint is not None else ABSENT,
+                        fingerprint=fingerprint,
+                    )
                 except LockAcquisitionError as exc:
                     self._on_locked(cfg, key, exc, args, kwargs)
                 except IdempotencyConnectionError as exc:
@@ -187,11 +270,26 @@ class IdempotentTask(Task):  # type: ignore[misc]
                         exc,
                     )
                     self._requeue(cfg, exc, args, kwargs)
+                except LockLostError as exc:
+                    if failed:  # the failure was not stored: it stands as it is
+                        raise failed[0] from exc
+                    raise
                 else:
                     break
         finally:
             _current_guard.reset(token)
-            setattr(request, _GUARDED, False)
+        if _is_failure_envelope(outcome.value):
+            if failed and not outcome.replayed:
+                raise failed[0]
+            stored = self._failure_from(outcome.value)
+            log.info(
+                "replayed stored failure %s for %s[%s] key=%s",
+                type(stored).__name__,
+                self.name,
+                request.id,
+                key_digest(key),
+            )
+            raise stored
         if not outcome.replayed and request.is_eager and not cfg.in_memory:
             # A worker hands the body's value to the caller, links and chains through the
             # result serializer; eagerly Celery hands over the object itself. Give the first
@@ -233,6 +331,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The settings in force for this task (task options over ``app.conf``)."""
         return resolve(self.app, self)
 
+    def idempotency_namespace_of(self) -> str:
+        """The namespace of this task's keys: ``idempotency_namespace``, else its name."""
+        return self.idempotency_settings().idempotency_namespace or str(self.name)
+
     def idempotency_key_for(
         self,
         args: tuple[Any, ...],
@@ -241,7 +343,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         payload: Any = None,
         fingerprint: str | None = None,
     ) -> str:
-        """The namespaced key of a call with ``args`` and ``kwargs`` in the current request."""
+        """The namespaced key of a call with ``args`` and ``kwargs`` in the current request.
+
+        ``fingerprint``, when given, is the hash of every bound argument (the ``"args"`` key);
+        raises :class:`IdempotencyKeyMissingError` when a format field or the key callable
+        gives ``None``.
+        """
+        cfg = self.idempotency_settings()
+        namespace = cfg.idempotency_namespace or self.name
         headers = getattr(self.request, "headers", None) or {}
         explicit = headers.get(KEY_HEADER) if isinstance(headers, dict) else None
         if explicit is None:
@@ -251,23 +360,58 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 raise TypeError(
                     f"the {KEY_HEADER!r} header must be a non-empty str, got {explicit!r}"
                 )
-            return f"{self.name}:key:{explicit}"
-        strategy = self.idempotency_settings().idempotency_key
+            return task_key(namespace, "key", explicit)
+        strategy = cfg.idempotency_key
         if payload is None:
             payload = self._bound_arguments(args, kwargs)
         if callable(strategy):
             key = strategy(self, args, kwargs)
+            if key is None:
+                name = getattr(strategy, "__qualname__", None) or type(strategy).__name__
+                raise IdempotencyKeyMissingError(f"<callable {name}>", self.name, None)
             if not isinstance(key, str) or not key:
                 raise TypeError(
                     f"idempotency_key callable of task {self.name} must return a non-empty "
-                    f"str, returned {type(key).__name__}"
+                    f"str (or None: no key), returned {type(key).__name__}"
                 )
-            return f"{self.name}:key:{key}"
+            return task_key(namespace, "key", key)
         if strategy == "args":
-            return f"{self.name}:args:{fingerprint or fingerprint_payload(payload)}"
+            return task_key(namespace, "args", fingerprint or fingerprint_payload(payload))
         if strategy == "task_id":
-            return f"{self.name}:id:{self.request.id}"
-        return f"{self.name}:key:{self._format_key(strategy, payload)}"
+            return task_key(namespace, "id", str(self.request.id))
+        return task_key(namespace, "key", self._format_key(strategy, payload))
+
+    def idempotency_fingerprint_for(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None
+    ) -> str | None:
+        """The fingerprint stored with a call's result and compared with its duplicates'
+        (``None``: not compared), as ``idempotency_fingerprint`` says."""
+        setting = self.idempotency_settings().idempotency_fingerprint
+        if setting is None:
+            return None
+        if payload is None:
+            payload = self._bound_arguments(args, kwargs)
+        if setting == "args":
+            return fingerprint_payload(payload)
+        if callable(setting):
+            value = setting(self, args, kwargs)
+            if value is None:
+                return None
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"idempotency_fingerprint callable of task {self.name} must return a str "
+                    f"or None, returned {type(value).__name__}"
+                )
+            # Hashed: it may hold argument values, and Redis keeps it for idempotency_ttl.
+            return fingerprint_payload(["fingerprint_fn", value])
+        missing = [name for name in setting if name not in payload]
+        if missing:
+            raise ValueError(
+                f"idempotency_fingerprint {setting!r} of task {self.name} names "
+                f"{', '.join(missing)}, which the task has no argument for "
+                f"(arguments: {', '.join(payload) or 'none'})"
+            )
+        return fingerprint_payload({name: payload[name] for name in setting})
 
     def _format_key(self, template: str, payload: dict[str, Any]) -> str:
         names = {
@@ -287,7 +431,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 f"{', '.join(missing)}, which the task has no argument for "
                 f"(arguments: {', '.join(payload) or 'none'})"
             )
-        return template.format(**payload)
+        return _KeyFormatter(template, self.name).format(template, **payload)
 
     def _bound_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied: f(1) == f(x=1)."""
@@ -332,6 +476,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise exc
         if policy == "ignore":
             raise Ignore(f"idempotency key held by another delivery: {key_digest(key)}")
+        if policy == "reject":
+            raise Reject(
+                f"idempotency key held by another delivery: {key_digest(key)}", requeue=False
+            )
         self._requeue(cfg, exc, args, kwargs)
 
     def _requeue(
@@ -399,6 +547,23 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 entry = _guards[ident] = (cfg, guard)
             return entry[1]
 
+    def _failure_envelope(self, exc: BaseException) -> dict[str, Any]:
+        """What is stored for a failure listed in ``idempotency_store_errors``: the exception
+        as Celery's result backend prepares it for the result serializer (class, module and
+        args for JSON; the exception itself for pickle), in an envelope no result can be
+        mistaken for (see :func:`_is_failure_envelope`)."""
+        serializer, _ = self._serialization()
+        return {FAILURE_MARKER: 1, "exc": self.backend.prepare_exception(exc, serializer)}
+
+    def _failure_from(self, envelope: dict[str, Any]) -> BaseException:
+        """The stored failure rebuilt as Celery's result backend rebuilds one: the same class
+        with the same args; a stored name that is not an exception class is refused
+        (``SecurityError``), and nothing is imported."""
+        exc = self.backend.exception_to_python(envelope["exc"])
+        if not isinstance(exc, BaseException):  # pragma: no cover - Celery always gives one
+            raise TypeError(f"stored failure of task {self.name} is not an exception: {exc!r}")
+        return exc
+
     def _serialization(self) -> tuple[str, list[str]]:
         """The app's result serializer and the accept list results are loaded with."""
         conf = self.app.conf
@@ -428,6 +593,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             found = _backends.get(ident)
             if found is not None and found[0] is source:
                 return found[1]
+            if source is None and cfg.in_postgres:
+                _backends[ident] = (None, self._postgres_backend(cfg, serializer, accept))
+                return _backends[ident][1]
             if source is not None:
                 client = make_client_from(source, task_name=self.name)
             elif cfg.in_memory:
@@ -456,6 +624,20 @@ class IdempotentTask(Task):  # type: ignore[misc]
             _backends[ident] = (source, pair)
             return pair
 
+    def _postgres_backend(
+        self, cfg: IdempotencySettings, serializer: str, accept: list[str]
+    ) -> tuple[LockProvider, IdempotencyStore]:
+        """One PostgreSQL backend serving as lock provider and store (one transaction)."""
+        from celery_idempotent.postgres import backend_from_url  # noqa: PLC0415 - optional
+
+        if cfg.idempotency_wait_replicas:
+            raise ValueError(
+                f"idempotency_wait_replicas (task {self.name}) is a Redis setting; PostgreSQL "
+                f"replicates commits itself (got {cfg.idempotency_wait_replicas}); use 0"
+            )
+        backend = backend_from_url(cfg.backend_url, serializer=serializer, accept=accept)
+        return backend, backend
+
     def _on_guard_event(self, event: GuardEvent) -> None:
         signal = {
             "replay": signals.idempotency_replayed,
@@ -472,6 +654,36 @@ class IdempotentTask(Task):  # type: ignore[misc]
             fencing_token=event.fencing_token,
             **extra,
         )
+
+
+def _hashes_args(cfg: IdempotencySettings) -> bool:
+    """Whether a call needs the hash of every bound argument (key or fingerprint)."""
+    return bool(cfg.idempotency_key == "args" or cfg.idempotency_fingerprint == "args")
+
+
+def _is_failure_envelope(value: Any) -> bool:
+    """Whether a stored value is a failure stored by ``idempotency_store_errors``."""
+    if type(value) is not dict or len(value) != 2 or "exc" not in value:
+        return False
+    return bool(value.get(FAILURE_MARKER) == 1)
+
+
+class _KeyFormatter(string.Formatter):
+    """``str.format`` for key templates that treats a ``None`` field as a missing key:
+    ``"user:{user_id}"`` with ``user_id=None`` must not become the shared key ``user:None``."""
+
+    def __init__(self, template: str, task_name: str) -> None:
+        self.template = template
+        self.task_name = task_name
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        top = field_name.split(".", maxsplit=1)[0].split("[", maxsplit=1)[0]
+        if kwargs.get(top) is None:  # also before reading a part of it (``{user.id}``)
+            raise IdempotencyKeyMissingError(self.template, self.task_name, top)
+        obj, used = super().get_field(field_name, args, kwargs)
+        if obj is None:
+            raise IdempotencyKeyMissingError(self.template, self.task_name, field_name)
+        return obj, used
 
 
 # --------------------------------------------------------------------------- worker start
@@ -632,6 +844,47 @@ def _read_policy(cfg: IdempotencySettings) -> tuple[str | None, str | None]:
 STARTUP_CHECKS: list[Callable[[Any, list[Resolved]], list[str]]] = [check_pool, check_eviction]
 
 
+def check_namespaces(app: Any) -> list[str]:
+    """Log one WARNING for each key namespace that idempotent tasks of ``app`` share by
+    accident, and return the messages.
+
+    Tasks whose keys share a namespace (on the same Redis, under the same key prefix) replay
+    each other's results. That is meant only when every one of them declares the same
+    ``idempotency_namespace`` as its own task option; a namespace that one task takes by
+    default (its name) or from the app's setting, and another declares or also inherits, is
+    an accident. Misconfigured and disabled tasks are left to the other checks.
+    """
+    groups: dict[tuple[str, str, str], list[tuple[str, bool]]] = {}
+    for name in sorted(app.tasks):
+        task = app.tasks[name]
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            cfg = resolve(app, task)
+        except (TypeError, ValueError):
+            continue
+        if not cfg.idempotency_enabled:
+            continue
+        namespace = cfg.idempotency_namespace or name
+        where = (_backend_label(cfg), cfg.idempotency_key_prefix, namespace)
+        declared = declared_by_task(task, "idempotency_namespace")
+        groups.setdefault(where, []).append((name, declared))
+    messages: list[str] = []
+    for (_, _, namespace), members in groups.items():
+        if len(members) < 2 or all(declared for _, declared in members):
+            continue
+        undeclared = [name for name, declared in members if not declared]
+        message = (
+            f"tasks {', '.join(name for name, _ in members)} share the key namespace "
+            f"{namespace!r} by accident ({', '.join(undeclared)} did not declare it): a "
+            "duplicate of one replays the other's result. Give each task its own "
+            "idempotency_namespace, or declare the same one on every task meant to share it"
+        )
+        log.warning("celery-idempotent: %s", message)
+        messages.append(message)
+    return messages
+
+
 def _on_worker_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
     app = getattr(instance, "app", None)
     if app is not None:
@@ -640,4 +893,15 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **kwargs: Any) ->
 
 celery_signals.celeryd_after_setup.connect(
     _on_worker_setup, weak=False, dispatch_uid="celery_idempotent.check_app_at_worker_start"
+)
+
+
+def _check_namespaces_at_start(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is not None:
+        check_namespaces(app)
+
+
+celery_signals.celeryd_after_setup.connect(
+    _check_namespaces_at_start, weak=False, dispatch_uid="celery_idempotent.check_namespaces"
 )

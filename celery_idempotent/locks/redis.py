@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import _green, _native_redis, _redis
+from celery_idempotent import _green, _native_redis, _redis, keyspace
 from celery_idempotent._validate import check_duration
 from celery_idempotent.protocols import Lease
 
@@ -21,10 +21,14 @@ class RedisLockProvider:
     still holds that token: a holder whose lease expired can never release or extend the next
     holder's lease. Lease expiry is the server's ``PX``: no client clock decides it.
 
-    Fencing tokens strictly increase per resource: ``max(last + 1, server time in µs)``, the
-    last one kept ``fence_ttl`` seconds after each acquisition.
+    Fencing tokens strictly increase per resource: a token is the server's time in µs, or
+    one more than a token still ahead of the server clock (see
+    ``celery_idempotent.keyspace`` for why no long-lived fence key is needed). A lease's
+    ``token`` is what the lock holds: ``<fencing token>/<random>@<owner_id>``.
 
     ``key_prefix`` only scopes :meth:`clear`; resource names come from the guard.
+    ``fence_ttl`` is accepted for compatibility with 0.1.0 and no longer used: layout v2
+    keeps no fence key for days.
     """
 
     def __init__(
@@ -51,8 +55,8 @@ class RedisLockProvider:
 
     @staticmethod
     def fence_key(resource: str) -> str:
-        """Where the last fencing token of ``resource`` is kept (same hash slot)."""
-        return f"{resource}:fence"
+        """Where a fencing token of ``resource`` ahead of the server clock is kept."""
+        return keyspace.fence_name(resource)
 
     def acquire(self, resource: str, ttl: float) -> Lease | None:
         """Take ``resource`` for ``ttl`` seconds (one round trip); ``None`` when it is held."""
@@ -60,12 +64,14 @@ class RedisLockProvider:
         token = _redis.new_token(self.owner_id)
         with _redis.translate_errors(resource, "lock acquire"):
             fence = self._acquire(
-                keys=[resource, self.fence_key(resource)],
-                args=[token, _redis.ms(ttl), _redis.ms(self.fence_ttl)],
+                keys=[resource, keyspace.fence_name(resource)], args=[token, _redis.ms(ttl)]
             )
-        if not fence:
+        number = int(fence)
+        if not number:
             return None
-        return Lease(resource=resource, token=token, fencing_token=int(fence))
+        return Lease(
+            resource=resource, token=keyspace.lock_value(number, token), fencing_token=number
+        )
 
     def extend(self, lease: Lease, ttl: float) -> bool:
         """Reset the lease to ``ttl`` seconds if it is still ours (one round trip)."""
@@ -77,7 +83,10 @@ class RedisLockProvider:
     @staticmethod
     def _extend_arguments(lease: Lease, ttl: float) -> tuple[list[Any], list[Any]]:
         """KEYS and ARGV of the EXTEND script (shared by :meth:`extend` and the renewer)."""
-        return [lease.resource], [lease.token, _redis.ms(ttl)]
+        return (
+            [lease.resource, keyspace.fence_name(lease.resource)],
+            [lease.token, _redis.ms(ttl), lease.fencing_token],
+        )
 
     def renewer(self) -> Callable[[Lease, float, float], bool] | None:
         """``renew(lease, ttl, timeout)``: :meth:`extend` for the lease keeper's OS thread.
@@ -109,7 +118,12 @@ class RedisLockProvider:
     def release(self, lease: Lease) -> bool:
         """Release the lock if ``lease`` still holds it (one round trip)."""
         with _redis.translate_errors(lease.resource, "lock release"):
-            return bool(self._release(keys=[lease.resource], args=[lease.token]))
+            return bool(
+                self._release(
+                    keys=[lease.resource, keyspace.fence_name(lease.resource)],
+                    args=[lease.token, lease.fencing_token],
+                )
+            )
 
     def is_locked(self, resource: str) -> bool:
         """Whether anyone holds ``resource`` now."""
@@ -117,7 +131,8 @@ class RedisLockProvider:
             return bool(self.client.exists(resource))
 
     def holder(self, resource: str) -> str | None:
-        """The token of the current holder (``<random>@<owner_id>``), or ``None``."""
+        """The current holder's lease token (``<fencing token>/<random>@<owner_id>``; a lock
+        taken by 0.1.0 holds ``<random>@<owner_id>``), or ``None``."""
         with _redis.translate_errors(resource, "lock check"):
             value = self.client.get(resource)
         if value is None:
@@ -131,7 +146,8 @@ class RedisLockProvider:
             batch: list[Any] = []
             for name in self.client.scan_iter(match=pattern, count=500):
                 # bytes, or str from a client made with decode_responses=True
-                if name.endswith(b":fence" if isinstance(name, bytes) else ":fence"):
+                text = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+                if text.endswith(keyspace.fence_name("")):
                     continue
                 batch.append(name)
                 if len(batch) >= 500:

@@ -1,4 +1,4 @@
-"""The Redis store: records as hashes, results through kombu's serializers.
+"""The Redis store: one string per record (layout v2), results through kombu's serializers.
 
 Results are encoded with kombu (as Celery's result backend encodes them) and decoded only with
 an explicit accept list: JSON unless the user accepts more. A record whose content type is not
@@ -9,12 +9,14 @@ is never deserialized.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from celery_idempotent import _redis
+from celery_idempotent import _redis, keyspace
 from celery_idempotent._validate import check_count, check_duration
 from celery_idempotent.exceptions import (
+    IdempotencyBackendError,
     IdempotencyConnectionError,
     RecordDecodeError,
     ResultEncodeError,
@@ -23,6 +25,8 @@ from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 
 __all__ = ["RedisAtomicBackend", "RedisIdempotencyStore"]
+
+log = logging.getLogger("celery_idempotent")
 
 
 _KOMBU: Any = None
@@ -100,6 +104,7 @@ class RedisIdempotencyStore:
         # manager per call; the accept check they would do is done here, before decoding).
         self._codec = registry._encoders[serializer]
         self._decoders = registry._decoders
+        self._encoders = registry._encoders
         if registry._encoders[serializer].content_type not in self.accept:
             raise ValueError(
                 f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
@@ -119,7 +124,6 @@ class RedisIdempotencyStore:
                     f"{', '.join(binary)}; pass a client with decode_responses=False"
                 )
         self._commit = self.client.register_script(_redis.COMMIT)
-        self._set = self.client.register_script(_redis.SET_RECORD)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -166,32 +170,60 @@ class RedisIdempotencyStore:
 
     # -- encoding ---------------------------------------------------------------------------
 
-    def encode(self, key: str, record: IdempotencyRecord) -> list[Any]:
-        """The values of ``RECORD_FIELDS`` for ``record``; ResultEncodeError if refused."""
+    def encode(self, key: str, record: IdempotencyRecord) -> bytes:
+        """The stored form of ``record`` (see ``celery_idempotent.keyspace``);
+        ResultEncodeError if the serializer refuses the result."""
         codec = self._codec
-        content_type, encoding = codec.content_type, codec.content_encoding
         try:
             data = codec.encoder(record.result)
         except Exception as exc:
             raise ResultEncodeError(key, record.result, f"{self.serializer}: {exc}") from exc
-        return [
-            _redis.RECORD_VERSION,
-            content_type,
-            encoding,
-            data,
-            record.fingerprint or "",
-            repr(float(record.created_at)),
-            "" if record.fencing_token is None else str(record.fencing_token),
-        ]
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return keyspace.encode_record(
+            name=key,
+            fencing_token=record.fencing_token,
+            created_at=record.created_at,
+            serializer=self.serializer,
+            fingerprint=record.fingerprint,
+            task_id=None,
+            data=data,
+        )
 
-    def decode(self, key: str, values: Sequence[Any]) -> IdempotencyRecord:
-        """A record from the values of ``RECORD_FIELDS``; RecordDecodeError if refused."""
-        if len(values) != len(_redis.RECORD_FIELDS) or any(v is None for v in values):
+    def decode(self, key: str, value: Any) -> IdempotencyRecord:
+        """A record from its stored form (a v2 string); RecordDecodeError if refused."""
+        if isinstance(value, str):  # a client with decode_responses=True
+            value = value.encode("utf-8", "surrogateescape")
+        try:
+            fields = keyspace.decode_record(value, key)
+        except ValueError as exc:
+            raise RecordDecodeError(key, None, f"corrupt record: {exc}") from exc
+        codec = self._encoders.get(fields.serializer or "")
+        if codec is None:
+            raise RecordDecodeError(
+                key,
+                None,
+                f"stored result was written with serializer {fields.serializer!r}, which kombu "
+                "does not know here; it was not loaded",
+            )
+        return self._load(
+            key, fields._replace(content_type=codec.content_type, encoding=codec.content_encoding)
+        )
+
+    def decode_v1(self, key: str, values: Sequence[Any]) -> IdempotencyRecord:
+        """A record from the values of a layout-v1 hash (0.1.0); RecordDecodeError if refused."""
+        if len(values) != len(keyspace.V1_RECORD_FIELDS) or any(v is None for v in values):
             raise RecordDecodeError(key, None, "stored record is incomplete or not ours")
-        version, ctype, encoding, data, fp, at, fence = values
-        content_type = _text(ctype)
-        if _text(version) != _redis.RECORD_VERSION:
-            raise RecordDecodeError(key, content_type, f"unknown record version {version!r}")
+        if _text(values[0]) != keyspace.V1_VERSION:
+            raise RecordDecodeError(key, _text(values[1]), f"unknown record version {values[0]!r}")
+        try:
+            fields = keyspace.decode_v1_record(list(values))
+        except ValueError as exc:
+            raise RecordDecodeError(key, _text(values[1]), f"corrupt record: {exc}") from exc
+        return self._load(key, fields)
+
+    def _load(self, key: str, fields: keyspace.DecodedRecord) -> IdempotencyRecord:
+        content_type = fields.content_type or ""
         if content_type not in self.accept:
             raise RecordDecodeError(
                 key,
@@ -201,17 +233,16 @@ class RedisIdempotencyStore:
             )
         try:
             decoder = self._decoders.get(content_type)
+            data = fields.data
             if decoder is not None and data:
                 result = decoder(data)
             else:  # raw text or data, or an empty payload: kombu's rules for those
-                result = _kombu().loads(data, content_type, _text(encoding), accept=self.accept)
-            fingerprint = _text(fp) or None
-            fence_text = _text(fence)
+                result = _kombu().loads(data, content_type, fields.encoding, accept=self.accept)
             return IdempotencyRecord(
                 result=result,
-                fingerprint=fingerprint,
-                created_at=float(_text(at)),
-                fencing_token=int(fence_text) if fence_text else None,
+                fingerprint=fields.fingerprint,
+                created_at=fields.created_at,
+                fencing_token=fields.fencing_token,
             )
         except Exception as exc:
             raise RecordDecodeError(key, content_type, f"corrupt record: {exc}") from exc
@@ -219,26 +250,37 @@ class RedisIdempotencyStore:
     # -- IdempotencyStore -------------------------------------------------------------------
 
     def get(self, key: str) -> IdempotencyRecord | None:
-        """The record under ``key``, or ``None`` (one round trip)."""
+        """The record under ``key``, or ``None`` (one round trip; two for a v1 record)."""
+        wrong_type = _redis.import_redis().exceptions.ResponseError
         with _redis.translate_errors(key, "store get"):
             try:
-                values = self.client.hmget(key, list(_redis.RECORD_FIELDS))
+                try:
+                    value = self.client.get(key)
+                except wrong_type as exc:
+                    if "WRONGTYPE" not in str(exc):
+                        raise
+                    values = self.client.hmget(key, list(keyspace.V1_RECORD_FIELDS))
+                    if all(v is None for v in values):
+                        return None
+                    return self.decode_v1(key, values)
             except UnicodeDecodeError as exc:  # binary payload on a decoding client
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
-        if all(v is None for v in values):
+        if value is None:
             return None
-        return self.decode(key, values)
+        return self.decode(key, value)
 
     def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
-        """Replace the record under ``key``, for ``ttl`` seconds, atomically (one round trip)."""
+        """Replace the record under ``key``, for ``ttl`` seconds (one round trip)."""
         ttl = check_duration("ttl", ttl)
-        fields = self.encode(key, record)
-        args: list[Any] = [_redis.ms(ttl), *fields]
+        value = self.encode(key, record)
         with _redis.translate_errors(key, "store set"):
             if not self.wait_replicas:
-                self._set(keys=[key], args=args)
+                self.client.set(key, value, px=_redis.ms(ttl))
                 return
-            _, acked = self.eval_and_wait(self._set, [key], args)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(key, value, px=_redis.ms(ttl))
+            pipe.wait(self.wait_replicas, self._wait_ms())
+            _, acked = pipe.execute()
         self.check_replicated(key, acked, "record")
 
     def delete(self, key: str) -> bool:
@@ -250,13 +292,27 @@ class RedisIdempotencyStore:
 
     def atomic_with(self, lock_provider: Any) -> RedisAtomicBackend | None:
         """A one-round-trip claim/commit pair when ``lock_provider`` is a
-        :class:`RedisLockProvider` on the same server, else ``None`` (the guard then calls
-        the lock provider and the store one after the other)."""
-        if isinstance(lock_provider, RedisLockProvider) and _redis.same_server(
-            self.client, lock_provider.client
-        ):
+        :class:`RedisLockProvider` on the same server or deployment (Cluster, Sentinel
+        service), else ``None``: the guard then calls the lock provider and the store one
+        after the other, and a WARNING says why."""
+        reason = self.pairing_problem(lock_provider)
+        if reason is None:
             return RedisAtomicBackend(self, lock_provider)
+        log.warning(
+            "celery-idempotent: claims and commits take 2-4 round trips each instead of one "
+            "script: %s",
+            reason,
+        )
         return None
+
+    def pairing_problem(self, lock_provider: Any) -> str | None:
+        """Why ``lock_provider`` and this store cannot decide in one script, or ``None``."""
+        if not isinstance(lock_provider, RedisLockProvider):
+            return (
+                f"the lock provider is a {type(lock_provider).__name__}, not a "
+                "RedisLockProvider on this store's Redis"
+            )
+        return _redis.why_not_same_server(self.client, lock_provider.client)
 
 
 class RedisAtomicBackend:
@@ -270,8 +326,8 @@ class RedisAtomicBackend:
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
         token = _redis.new_token(self.locks.owner_id)
-        keys = [resource, self.locks.fence_key(resource), key]
-        args: list[Any] = [token, _redis.ms(ttl), _redis.ms(self.locks.fence_ttl)]
+        keys = [resource, key, keyspace.fence_name(resource)]
+        args: list[Any] = [token, _redis.ms(ttl)]
         acked: Any = None
         with _redis.translate_errors(key, "claim"):
             try:
@@ -283,7 +339,8 @@ class RedisAtomicBackend:
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
         if status == 1:
-            lease = Lease(resource, token, int(reply[1]))
+            fence = int(reply[1])
+            lease = Lease(resource, keyspace.lock_value(fence, token), fence)
             if acked is not None and int(acked) < self.store.wait_replicas:
                 # Taken on a server whose replicas do not have it: give it back (a master
                 # about to be demoted would lose it anyway) before anything runs under it.
@@ -292,14 +349,22 @@ class RedisAtomicBackend:
                 self.store.check_replicated(key, acked, "claim")
             return Claim(lease, None)
         if status == 2:
-            return Claim(None, self.store.decode(key, reply[1:]))
+            return Claim(None, self.store.decode(key, reply[1]))
+        if status == 3:
+            return Claim(None, self.store.decode_v1(key, reply[1:]))
+        if status == 4:
+            raise IdempotencyBackendError(
+                key,
+                f"the record's name {key!r} holds a value that is not a celery-idempotent "
+                "record (WRONGTYPE for layout v2); it was left alone and nothing ran",
+            )
         return Claim(None, None)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
-        fields = self.store.encode(key, record)
-        keys = [lease.resource, key]
-        args: list[Any] = [lease.token, _redis.ms(ttl), *fields]
+        value = self.store.encode(key, record)
+        keys = [lease.resource, key, keyspace.fence_name(lease.resource)]
+        args: list[Any] = [lease.token, _redis.ms(ttl), value, lease.fencing_token]
         with _redis.translate_errors(key, "commit"):
             if not self.store.wait_replicas:
                 return bool(self.store._commit(keys=keys, args=args))

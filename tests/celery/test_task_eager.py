@@ -116,16 +116,20 @@ def test_direct_call_runs_plainly_and_creates_no_keys(
 ) -> None:
     app = make_app()
 
+    leases: list[Any] = []
+
     @app.task(shared=False, base=IdempotentTask)
     def pay(order: int, amount: int) -> int:
-        assert current_lease() is None
+        leases.append(current_lease())
         return calls("pay")
 
     assert pay(1, 10) == 1
     assert pay(1, 10) == 2
     assert pay.run(1, 10) == 3
+    assert leases == [None, None, None]
     assert keys_under(redis_client, key_prefix) == []
-    pay.apply((1, 10))
+    assert pay.apply((1, 10)).get() == 4  # through the guard: under a lease, then stored
+    assert leases[-1] is not None
     assert keys_under(redis_client, key_prefix) != []
 
 

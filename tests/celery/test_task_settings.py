@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from cidem_helpers import key_of, redis_names
 from servers import escape_glob
 
@@ -33,6 +34,10 @@ OTHER: dict[str, Any] = {
     "idempotency_url": "memory://",
     "idempotency_client": _client_factory,
     "idempotency_key": "task_id",
+    "idempotency_fingerprint": ("x",),
+    "idempotency_missing_key": "run",
+    "idempotency_namespace": "billing.charge",
+    "idempotency_store_errors": (LookupError,),
     "idempotency_ttl": 60,
     "idempotency_lock_ttl": 3,
     "idempotency_retry_count": 0,
@@ -52,6 +57,21 @@ BAD: list[tuple[str, Any, type[Exception]]] = [
     ("idempotency_client", "redis://localhost:6379/0", TypeError),
     ("idempotency_key", 5, TypeError),
     ("idempotency_key", "", TypeError),
+    ("idempotency_fingerprint", "x", ValueError),  # one name: ("x",)
+    ("idempotency_fingerprint", (), TypeError),
+    ("idempotency_fingerprint", ("x", 3), TypeError),
+    ("idempotency_fingerprint", ("x", "x"), ValueError),
+    ("idempotency_missing_key", "skip", ValueError),
+    ("idempotency_namespace", "", TypeError),
+    ("idempotency_namespace", 7, TypeError),
+    ("idempotency_namespace", "a{b}", ValueError),
+    ("idempotency_namespace", "billing:key:x", ValueError),
+    ("idempotency_store_errors", "ValueError", TypeError),
+    ("idempotency_store_errors", (ValueError, 3), TypeError),
+    ("idempotency_store_errors", (KeyboardInterrupt,), TypeError),
+    ("idempotency_store_errors", (Retry,), ValueError),
+    ("idempotency_store_errors", (SoftTimeLimitExceeded,), ValueError),
+    ("idempotency_store_errors", (LockAcquisitionError,), ValueError),
     ("idempotency_ttl", -1, ValueError),
     ("idempotency_ttl", 0, ValueError),
     ("idempotency_ttl", "1 day", TypeError),
@@ -119,6 +139,10 @@ def test_defaults(make_app: Callable[..., Celery]) -> None:
     assert DEFAULTS["idempotency_retry_base_delay"] == 0.1
     assert DEFAULTS["idempotency_on_locked"] == "retry"
     assert DEFAULTS["idempotency_key"] == "args"
+    assert DEFAULTS["idempotency_fingerprint"] == "args"
+    assert DEFAULTS["idempotency_missing_key"] == "raise"
+    assert DEFAULTS["idempotency_namespace"] is None  # the task's name
+    assert DEFAULTS["idempotency_store_errors"] == ()
     assert DEFAULTS["idempotency_key_prefix"] == "idempotency:"
     assert DEFAULTS["idempotency_enabled"] is True
 
@@ -135,6 +159,7 @@ def test_task_option_overrides_the_app(make_app: Callable[..., Celery], name: st
     value = {
         "idempotency_url": "redis://127.0.0.1:6379/3",
         "idempotency_client": _other_client_factory,
+        "idempotency_namespace": "other.namespace",  # None as an option: "not set"
     }.get(name, DEFAULTS[name])
     task = plain_task(app, **{name: value})
     untouched = plain_task(app)

@@ -36,6 +36,7 @@ from celery_idempotent import (
     RecordDecodeError,
     RedisIdempotencyStore,
 )
+from celery_idempotent.keyspace import decode_record
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 
@@ -394,9 +395,9 @@ def test_replay_delivers_what_the_first_execution_delivered(
     assert replay == first
     assert count(cidem, "pair", tag) == 1
     _, record = redis_names(task, key_of(task, tag, 1, {"a": (2, 3)}))
-    content_type, data = redis_client.hmget(record, ["ct", "data"])
-    assert content_type == b"application/json"
-    assert data == b'[1, {"a": [2, 3]}]'
+    stored = decode_record(redis_client.get(record), record)
+    assert stored.serializer == "json"
+    assert stored.data == b'[1, {"a": [2, 3]}]'
 
 
 def test_a_planted_pickle_record_is_refused_as_a_task_failure(

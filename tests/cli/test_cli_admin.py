@@ -26,6 +26,7 @@ from celery_idempotent import (
 )
 from celery_idempotent.cli import parse_redis_name, task_of_slot
 from celery_idempotent.keys import lock_resource, record_key
+from celery_idempotent.keyspace import decode_record, parse_lock_value
 
 if TYPE_CHECKING:
     import subprocess
@@ -52,6 +53,13 @@ def as_json(result: Result | subprocess.CompletedProcess[str]) -> Any:
 def charge(app: Celery, order: int = 42, amount: int = 999, key: str | None = "payment-42") -> Any:
     headers = {"idempotency_key": key} if key else None
     return app.tasks["cliadmin.charge"].apply((order, amount), headers=headers).get()
+
+
+def fence_of(client: redis.Redis, record_name: str) -> int:
+    """The fencing token a record was committed under."""
+    token = decode_record(client.get(record_name), record_name).fencing_token
+    assert token is not None
+    return token
 
 
 def names(client: redis.Redis, prefix: str) -> set[str]:
@@ -98,9 +106,10 @@ def test_inspect_completed_shows_record_metadata(
     assert doc["prefix"] == key_prefix
     assert record["name"] == rname
     assert record["content_type"] == "application/json"
-    assert record["size"] == redis_client.hstrlen(rname, "data")
+    stored = decode_record(redis_client.get(rname), rname)
+    assert record["size"] == len(stored.data)
     assert record["fingerprint"] == fingerprint_payload({"order_id": 42, "amount": 999})
-    assert record["fencing_token"] == int(redis_client.hget(rname, "fence"))
+    assert record["fencing_token"] == stored.fencing_token
     assert 0 <= record["age"] < 30
     assert 86_000 < record["ttl"] <= 86_400
     assert doc["lock"] == {
@@ -158,8 +167,9 @@ def test_inspect_in_progress_shows_the_live_holder(
     assert lock["held"] is True
     assert HOLDER_RE.match(lock["holder"]), lock["holder"]
     assert 0 < lock["ttl"] <= 2.0
-    fence = int(redis_client.get(doc["fence"]["name"]))
+    fence = parse_lock_value(redis_client.get(lock["name"]).decode())[0]
     assert doc["fence"]["last"] == fence
+    assert not redis_client.exists(doc["fence"]["name"])  # layout v2: no fence key
 
     assert holder.release().get() == f"released {holder.gate}"
     done = as_json(ok(run_cli(*args, "--json")))
@@ -226,8 +236,7 @@ def test_forget_one_key_dry_run_confirmation_and_yes(
     charge(cli_app)
     key = "cliadmin.charge:key:payment-42"
     rname = record_key(key_prefix, key)
-    fence_name = lock_resource(key_prefix, key) + ":fence"
-    first_fence = int(redis_client.hget(rname, "fence"))
+    first_fence = fence_of(redis_client, rname)
     args = ("forget", "payment-42", "--task", "cliadmin.charge")
 
     dry = ok(run_cli(*args, "--dry-run"))
@@ -242,10 +251,9 @@ def test_forget_one_key_dry_run_confirmation_and_yes(
 
     ok(run_cli(*args, input="y\n"))
     assert not redis_client.exists(rname)
-    assert redis_client.exists(fence_name)  # kept: fencing tokens keep increasing
 
     charge(cli_app)  # the body runs again, under a newer fencing token
-    assert int(redis_client.hget(rname, "fence")) > first_fence
+    assert fence_of(redis_client, rname) > first_fence
     doc = as_json(ok(run_cli(*args, "--yes", "--json")))
     assert doc["deleted"] == [rname]
     assert not redis_client.exists(rname)
@@ -661,13 +669,16 @@ def test_a_sentinel_broker_is_followed_to_its_master(
 def test_forget_include_fences_for_one_key_and_tokens_still_increase(
     cli_app: Celery, run_cli: Callable[..., Result], redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """A fence names its key (a customer id, say) for 7 days; --include-fences deletes it too,
-    and the key's next fencing token is still higher: tokens are floored by server time."""
+    """Layout v2 writes a fence key only while the server clock is behind a token; 0.1.0 left
+    one per key for 7 days (it names its key). --include-fences deletes a fence the clock has
+    passed, keeps one it has not, and the key's next fencing token is higher either way."""
     charge(cli_app)
     key = "cliadmin.charge:key:payment-42"
     rname = record_key(key_prefix, key)
     fence_name = lock_resource(key_prefix, key) + ":fence"
-    first_fence = int(redis_client.hget(rname, "fence"))
+    assert not redis_client.exists(fence_name)
+    first_fence = fence_of(redis_client, rname)
+    redis_client.set(fence_name, str(first_fence), px=7 * 86_400_000)  # as 0.1.0 left it
     args = ("forget", "payment-42", "--task", "cliadmin.charge", "--include-fences")
 
     dry = as_json(ok(run_cli(*args, "--dry-run", "--json")))
@@ -678,7 +689,17 @@ def test_forget_include_fences_for_one_key_and_tokens_still_increase(
     assert not redis_client.exists(fence_name)
 
     charge(cli_app)  # runs again: its token is above the forgotten one all the same
-    assert int(redis_client.hget(rname, "fence")) > first_fence
+    second = fence_of(redis_client, rname)
+    assert second > first_fence
+
+    sec, usec = redis_client.time()
+    ahead = int(sec) * 1_000_000 + int(usec) + 3_600_000_000  # a clock that stepped back 1 h
+    redis_client.set(fence_name, str(ahead), px=3_600_000)
+    out = ok(run_cli(*args, "--yes"))
+    assert "server clock is behind" in out.stderr
+    assert int(redis_client.get(fence_name)) == ahead  # kept: it still floors the next token
+    charge(cli_app)
+    assert fence_of(redis_client, rname) > ahead
 
 
 def test_forget_a_task_include_fences_keeps_other_tasks_fences(
@@ -688,9 +709,13 @@ def test_forget_a_task_include_fences_keeps_other_tasks_fences(
     redis_client: redis.Redis,
     key_prefix: str,
 ) -> None:
-    fill(cli_app, guard, 5)
+    keys = fill(cli_app, guard, 5)
     cli_app.tasks["cliadmin.ship"].apply((5, "Main St")).get()
     other_fence = lock_resource(key_prefix, "cliadmin.ship:key:order:5") + ":fence"
+    # The fences 0.1.0 left for these keys (7 days, a token the clock has passed).
+    for key in [*keys, "cliadmin.ship:key:order:5"]:
+        fence = fence_of(redis_client, record_key(key_prefix, key))
+        redis_client.set(lock_resource(key_prefix, key) + ":fence", str(fence), px=604_800_000)
     fences = [n for n in names(redis_client, key_prefix) if n.endswith(":fence")]
     charge_fences = [n for n in fences if "{cliadmin.charge:" in n]
     assert len(charge_fences) == 5

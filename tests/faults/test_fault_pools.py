@@ -43,7 +43,7 @@ from faultlib import (
 from servers import RedisServer
 
 from celery_idempotent import RedisLockProvider
-from celery_idempotent.keys import lock_resource
+from celery_idempotent.keyspace import decode_record, lock_name, record_name
 from celery_idempotent.task import MAX_REQUEUE_COUNTDOWN, requeue_countdown
 
 LOCK_TTL = 2.0
@@ -167,9 +167,10 @@ def chaos(pool: str, server: RedisServer, seed: int) -> dict[str, Any]:
             done = [r for r in runs[n] if r.exec_id == exec_id]
             assert done, f"{pool}: key {n}: the returned run has no start mark"
             assert done[0].end_us is not None, f"{pool}: key {n}: returned a killed run"
-            record = env.idem.hget(f"{env.prefix}{{faults.work:key:work:{n}}}", "fence")
-            assert record is not None, f"{pool}: key {n}: no committed record"
-            assert int(record) == fence
+            name = record_name(env.prefix, f"faults.work:key:work:{n}")
+            raw = env.idem.get(name)
+            assert raw is not None, f"{pool}: key {n}: no committed record"
+            assert decode_record(raw, name).fencing_token == fence
         lost = env.marks.llen(f"{env.ns}lease_lost")
         lost_lines = sum(text.count(" lost: ") for text in logs)
         assert lost == 0, f"{pool}: {lost} lease(s) lost by a living worker"
@@ -209,7 +210,7 @@ def requeue_rate(server: RedisServer, window: float) -> dict[str, Any]:
         queue = "requeue-rate"
         env.start_worker(concurrency=1, queue=queue, pool="solo")
         provider = RedisLockProvider(env.idem)
-        resource = lock_resource(env.prefix, "faults.work:key:work:0")
+        resource = lock_name(env.prefix, "faults.work:key:work:0")
         lease = provider.acquire(resource, LOCK_TTL)
         assert lease is not None
         result = env.app.tasks["faults.work"].apply_async((0, 0.05), queue=queue)

@@ -36,6 +36,8 @@ from faultlib import (
 from servers import RedisServer
 from workers import CeleryWorker
 
+from celery_idempotent.keyspace import decode_record, record_name
+
 KEYS = 240
 LOCK_TTL = 2.0
 CONCURRENCY = 4
@@ -137,9 +139,11 @@ def test_sigkilled_children_never_run_a_key_twice_at_once_nor_commit_twice(
         assert not twice, f"keys committed more than once: {twice}"
         prefix = env.prefix
         for n, ((_, fence),) in values.items():
-            record = env.idem.hget(f"{prefix}{{faults.work:key:work:{n}}}", "fence")
-            assert record is not None, f"key {n}: no committed record"
-            assert int(record) == fence, f"key {n}: record fence {record!r} != returned {fence}"
+            name = record_name(prefix, f"faults.work:key:work:{n}")
+            raw = env.idem.get(name)
+            assert raw is not None, f"key {n}: no committed record"
+            record = decode_record(raw, name).fencing_token
+            assert record == fence, f"key {n}: record fence {record!r} != returned {fence}"
         # a child killed between its commit and the signal leaves a key without an entry
         assert KEYS - len(commits) <= len(killer.kills)
 

@@ -176,3 +176,60 @@ def test_store_protocol_and_clear_on_the_cluster(
     assert all(provider.acquire(res, 30) for res in resources)
     provider.clear()  # SCAN on every master
     assert not any(provider.is_locked(res) for res in resources)
+
+
+def test_two_cluster_clients_of_one_cluster_keep_the_one_script_path(
+    redis_cluster: Any, cluster_client: ClusterClient, key_prefix: str
+) -> None:
+    """A store and a lock provider with a RedisCluster client each (not the same object): one
+    cluster, so claim and commit stay one script each: a first execution is 2 round trips,
+    a duplicate 1 (counted at the clients: every command they send)."""
+    other: ClusterClient = redis_cluster.client()
+    sent: list[str] = []
+    for client in (cluster_client, other):
+        original = client.execute_command
+
+        def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            sent.append(str(args[0]))
+            return _original(*args, **kwargs)
+
+        client.execute_command = counting  # type: ignore[method-assign]
+    try:
+        provider = RedisLockProvider(other, key_prefix=key_prefix)
+        store = RedisIdempotencyStore(cluster_client)
+        assert store.pairing_problem(provider) is None
+        guard = DistributedIdempotencyGuard(
+            store=store, lock_provider=provider, key_prefix=key_prefix
+        )
+        assert guard._atomic is not None
+        for index in range(3):  # load the scripts on every master first
+            guard.execute(f"warm-{index}", lambda: 0)
+        sent.clear()
+        assert guard.execute("k", lambda: "v", input=1) == "v"
+        assert sent == ["EVALSHA", "EVALSHA"]
+        sent.clear()
+        assert guard.execute("k", lambda: "again", input=1) == "v"
+        assert sent == ["EVALSHA"]
+    finally:
+        other.close()
+
+
+def test_cluster_clients_of_two_clusters_are_told_apart(
+    cluster_client: ClusterClient, redis_url: str, caplog: Any
+) -> None:
+    import logging
+
+    import redis
+
+    plain = redis.Redis.from_url(redis_url)
+    try:
+        store = RedisIdempotencyStore(cluster_client)
+        reason = store.pairing_problem(RedisLockProvider(plain))
+        assert reason is not None
+        assert "RedisCluster" in reason
+        with caplog.at_level(logging.WARNING, logger="celery_idempotent"):
+            guard = DistributedIdempotencyGuard(store=store, lock_provider=RedisLockProvider(plain))
+        assert guard._atomic is None
+        assert reason in caplog.text
+    finally:
+        plain.close()

@@ -9,6 +9,7 @@ where a record or a lock really is.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -470,7 +471,9 @@ def test_min_replicas_to_write_refuses_the_window_instead_of_losing_commits(
 # =========================================================================== same_server
 
 
-def test_same_server_tells_sentinel_services_apart(redis_sentinel: RedisSentinelGroup) -> None:
+def test_same_server_tells_sentinel_services_apart(
+    redis_sentinel: RedisSentinelGroup, caplog: pytest.LogCaptureFixture
+) -> None:
     sentinel = redis_sentinel.sentinel()
     main = redis_sentinel.master_client(sentinel=sentinel)
     same = redis_sentinel.master_client(sentinel=sentinel)
@@ -481,7 +484,12 @@ def test_same_server_tells_sentinel_services_apart(redis_sentinel: RedisSentinel
     direct = redis.Redis(host=host, port=port)
     try:
         assert same_server(main, same)
-        for other in (other_service, other_db, other_sentinel, direct):
+        # Another Sentinel object watching the same Sentinels, service and database: the same
+        # deployment (issue 13), so the guard keeps its one-script path.
+        assert same_server(main, other_sentinel)
+        assert same_server(other_sentinel, main)
+        assert make_guard(main, other_sentinel)._atomic is not None
+        for other in (other_service, other_db, direct):
             assert not same_server(main, other)
             assert not same_server(other, main)
             assert RedisIdempotencyStore(main).atomic_with(RedisLockProvider(other)) is None
@@ -489,13 +497,22 @@ def test_same_server_tells_sentinel_services_apart(redis_sentinel: RedisSentinel
     finally:
         direct.close()
 
-    # Two Sentinel objects cannot be proven to watch the same service: the guard then calls
-    # the lock and the store one after the other, which is still correct.
-    guard = make_guard(main, other_sentinel)
-    assert guard._atomic is None
-    calls: list[bool] = []
-    assert guard.execute("split", recording("v", calls), input=1) == "v"
-    assert guard.run("split", recording("x", calls), input=1).replayed
-    with pytest.raises(IdempotencyMismatchError):
-        guard.execute("split", recording("x", calls), input=2)
-    assert calls == [True]
+    # A Sentinel client and a direct client of today's master cannot be proven the same
+    # deployment: the guard then calls the lock and the store one after the other (still
+    # correct), and says so at construction.
+    direct = redis.Redis(host=host, port=port)
+    try:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="celery_idempotent"):
+            guard = make_guard(main, direct)
+        assert guard._atomic is None
+        assert "instead of one script" in caplog.text
+        assert "Sentinel services differ" in caplog.text
+        calls: list[bool] = []
+        assert guard.execute("split", recording("v", calls), input=1) == "v"
+        assert guard.run("split", recording("x", calls), input=1).replayed
+        with pytest.raises(IdempotencyMismatchError):
+            guard.execute("split", recording("x", calls), input=2)
+        assert calls == [True]
+    finally:
+        direct.close()

@@ -16,6 +16,7 @@ from celery_idempotent import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
@@ -34,6 +35,14 @@ EXAMPLES = [
     (
         IdempotencyMismatchError("k4", "aa", "bb"),
         {"key": "k4", "stored_fingerprint": "aa", "fingerprint": "bb"},
+    ),
+    (
+        IdempotencyKeyMissingError("user:{user_id}", "proj.charge", "user_id"),
+        {"key": "user:{user_id}", "task": "proj.charge", "field": "user_id"},
+    ),
+    (
+        IdempotencyKeyMissingError("<callable key_fn>", task="proj.charge"),
+        {"task": "proj.charge", "field": None},
     ),
     (LockLostError("k5", {"charged": [1, 2]}), {"key": "k5", "result": {"charged": [1, 2]}}),
     (LockLostError("k5", None), {"key": "k5", "result": None}),

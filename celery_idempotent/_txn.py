@@ -1,0 +1,44 @@
+"""The registry of open guarded transactions, behind :func:`current_connection`.
+
+Kept apart from :mod:`celery_idempotent.postgres` so that importing the package (and calling
+``current_connection()`` in a body guarded by another backend) never imports psycopg.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_idempotent.guard import current_lease
+
+__all__ = ["current_connection", "register", "unregister"]
+
+#: lease token -> the connection whose transaction the lease is (one entry per running body).
+_OPEN: dict[str, Any] = {}
+
+
+def register(token: str, connection: Any) -> None:
+    _OPEN[token] = connection
+
+
+def unregister(token: str) -> Any:
+    return _OPEN.pop(token, None)
+
+
+def current_connection() -> Any:
+    """The connection of the transaction the current guarded body runs in, or ``None``.
+
+    With the PostgreSQL backend (``idempotency_url = "postgresql://..."``) it is a psycopg 3
+    ``Connection`` whose transaction holds the key's row lock and will commit the body's
+    record: whatever the body writes through it commits together with the record, or not at
+    all. With ``django://<alias>`` it is Django's ``connections[alias]`` (the ORM uses it
+    anyway). Outside a guarded body, or under a backend without transactions (Redis,
+    memory), it is ``None``.
+
+    Do not commit or roll back this transaction yourself (psycopg and Django refuse it inside
+    the guard's transaction block); use nested ``conn.transaction()`` / ``atomic()`` blocks,
+    which become savepoints.
+    """
+    lease = current_lease()
+    if lease is None:
+        return None
+    return _OPEN.get(lease.token)

@@ -1,0 +1,385 @@
+"""The keyspace: how an idempotency key is spelled, named in Redis, and stored (layout v2).
+
+This module is the only place that knows these formats. ``IdempotentTask`` builds task keys with
+:func:`task_key`, the command line parses them back with :func:`parse_task_key`; the Redis
+backends name a key's lock, record and fence with :func:`lock_name`, :func:`record_name` and
+:func:`fence_name`, and encode records with :func:`encode_record`; the Lua scripts in
+``celery_idempotent._redis`` take their record prefixes and the v1 field list from here.
+
+Task keys
+---------
+``<namespace>:<kind>:<value>``, where the namespace is the task's name and ``kind`` is
+``args`` (value: the sha256 of the bound arguments), ``id`` (the task id) or ``key`` (an
+explicit or formatted key). The earliest kind marker wins when parsing: an explicit key may
+itself contain ``:key:``.
+
+Redis names (layout v2, unchanged from v1)
+------------------------------------------
+For an idempotency key ``k`` and prefix ``p`` (``{...}`` is the Redis Cluster hash tag, so all
+of a key's names live in one slot; ``k`` appears as :func:`slot_key` spells it)::
+
+    p{k}              the record: a string (v2) or a hash (v1), PX = the record's TTL
+    p lock:{k}        the lease: "<fencing token>/<random>@<owner id>", PX = the lease
+    p lock:{k}:fence  the last fencing token, only while the server clock is behind it
+
+After a commit a key has **one** Redis key, the record: the commit writes it and deletes the
+lock in one script, and the fence key does not exist (see below).
+
+The record (layout v2)
+----------------------
+One string, ``|``-separated, the payload last so that it may hold any byte::
+
+    2|<fencing token>|<created at>|<serializer>|<fingerprint>|<task id>|<payload>
+
+``2`` is the layout version (and says "completed"). ``created at`` is the guard clock's time
+of the commit; the guard stamps whole µs, written as their difference from the fencing token
+(itself server µs, so the difference is small; without a fencing token, in full); any other
+float is written exactly, as ``~`` and its ``repr``. The serializer is kombu's
+name for the codec the payload was written with (empty for ``json``), which gives its content
+type and encoding. A fingerprint that the record's own name ends with (keys made from the
+arguments: ``<task>:args:<fingerprint>``) is written ``=<its length>``. Absent values are
+empty. A string costs Redis one allocation where a hash of seven fields costs a listpack, or a
+dict of seven entries once any value passes 64 bytes; these abbreviations keep a completed key
+at or below the bytes Powertools' Redis layer spends on one (see the benchmarks).
+
+Layout v1 (0.1.0) kept the record as a hash with the fields of :data:`V1_RECORD_FIELDS` and a
+fence key for 7 days after every acquisition. A v1 record is still read (the scripts look for
+a hash where they expect a string) and replayed; a held v1 lock (``<random>@<owner id>``) is a
+lock held by someone else; a v1 fence key floors the next token like a v2 one.
+
+Fencing tokens without a long-lived fence key
+---------------------------------------------
+A token is ``max(server time in µs, the fence key's value + 1)``. Tokens strictly increase
+across the holders of a key because every token is either at or below the server clock, or
+recorded in the fence key until the clock has passed it:
+
+- A token is carried by the lock while its lease runs and by the record after the commit.
+  Redis expires both at an absolute server time (``PX`` is stored as a deadline), set after
+  the token was handed out: when either disappears by expiry, the server clock is past the
+  token, so the next token, floored by the clock, is greater. This also holds across a clock
+  step backwards: a deadline in absolute time only moves further away.
+- A script that drops the last key carrying a token before its deadline (a release, the
+  commit's delete of the lock), or moves a deadline while the clock may be behind the token (a
+  renewal, a commit), first compares the token with the server clock. When the clock is behind
+  it (a step backwards since the token was handed out) the token goes to the fence key, which
+  expires when the clock reaches the token (``PEXPIREAT``): then the clock floors again.
+- The fence key therefore exists only while the server clock is behind a token it has handed
+  out, which does not happen without a clock step backwards. A claim reads it on every first
+  execution (one ``GET``), so a v1 fence key left by 0.1.0 keeps tokens increasing across the
+  upgrade too.
+
+What this does not cover: a failover to a replica whose clock is behind the old master's and
+that did not receive the fence key (the same as for any write the replica did not receive), and
+deleting a fence key by hand while the clock is behind it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+__all__ = [
+    "KINDS",
+    "KIND_MARKERS",
+    "LOCK_SEP",
+    "MAX_READABLE_KEY",
+    "RECORD_VERSION",
+    "SHORTENED_MARK",
+    "V1_RECORD_FIELDS",
+    "DecodedRecord",
+    "decode_record",
+    "encode_record",
+    "fence_name",
+    "lock_name",
+    "lock_value",
+    "parse_lock_value",
+    "parse_name",
+    "parse_task_key",
+    "record_name",
+    "slot_key",
+    "task_key",
+    "task_of_slot",
+]
+
+# --------------------------------------------------------------------------- task keys
+
+#: What follows the namespace in a task key: ``args`` (argument hash), ``id`` (task id),
+#: ``key`` (explicit or formatted key).
+KINDS = ("args", "id", "key")
+#: How each kind appears in a task key; a namespace may not contain one, or a key could not be
+#: parsed back.
+KIND_MARKERS = tuple(f":{kind}:" for kind in KINDS)
+_MARKERS = KIND_MARKERS
+
+
+def task_key(namespace: str, kind: str, value: str) -> str:
+    """``<namespace>:<kind>:<value>``: the idempotency key of a task call."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return f"{namespace}:{kind}:{value}"
+
+
+def parse_task_key(key: str) -> tuple[str, str, str] | None:
+    """``(namespace, kind, value)`` of a task key, or ``None`` when it has no kind marker.
+
+    The earliest marker wins: in ``t:key:a:key:b`` the value is ``a:key:b``.
+    """
+    best: tuple[int, str] | None = None
+    for marker in _MARKERS:
+        index = key.find(marker)
+        if index > 0 and (best is None or index < best[0]):
+            best = (index, marker)
+    if best is None:
+        return None
+    index, marker = best
+    return key[:index], marker[1:-1], key[index + len(marker) :]
+
+
+def task_of_slot(slot: str) -> str | None:
+    """The namespace (task name) at the start of a slot, or ``None``.
+
+    A shortened slot whose head ends before the kind marker has no recognisable task.
+    """
+    parsed = parse_task_key(slot)
+    return None if parsed is None else parsed[0]
+
+
+# --------------------------------------------------------------------------- Redis names
+
+#: Keys longer than this are shortened in Redis names: a readable head plus a digest.
+MAX_READABLE_KEY = 200
+#: How many characters of a shortened key stay readable.
+HEAD_CHARS = 64
+#: A shortened key is ``<head>…#<sha256>``.
+SHORTENED_MARK = "…#"
+_LOCK = "lock:"
+_FENCE = ":fence"
+
+
+def slot_key(key: str) -> str:
+    """The key as it appears inside Redis names: the part between the hash-tag braces.
+
+    Short keys without braces stay as they are, so ``redis-cli`` shows them. A key with a brace
+    (which would end or nest the hash tag) or longer than ``MAX_READABLE_KEY`` becomes a
+    readable head plus the sha256 of the whole key.
+    """
+    if len(key) <= MAX_READABLE_KEY and "{" not in key and "}" not in key and key:
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (from JSON "\\udcff"): Redis needs bytes
+            pass
+        else:
+            return key
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    head = key[:HEAD_CHARS].replace("{", "(").replace("}", ")")
+    head = head.encode("utf-8", "replace").decode("utf-8")
+    return f"{head}{SHORTENED_MARK}{digest}"
+
+
+def lock_name(prefix: str, key: str) -> str:
+    """``{prefix}lock:{<key>}``: the key's lock, in the same Redis Cluster slot as its record."""
+    return f"{prefix}{_LOCK}{{{slot_key(key)}}}"
+
+
+def record_name(prefix: str, key: str) -> str:
+    """``{prefix}{<key>}``: where the key's record is stored."""
+    return f"{prefix}{{{slot_key(key)}}}"
+
+
+def fence_name(lock: str) -> str:
+    """The fence key of a lock (any resource name): ``<lock>:fence``, same hash slot."""
+    return f"{lock}{_FENCE}"
+
+
+def parse_name(name: str, prefix: str) -> tuple[str, str] | None:
+    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name.
+
+    ``kind`` is ``"record"``, ``"lock"`` or ``"fence"``; ``slot`` is the key as it appears
+    between the hash-tag braces (the key, or its shortened form).
+    """
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix) :]
+    if rest.startswith(_LOCK + "{"):
+        body = rest[len(_LOCK) + 1 :]
+        if body.endswith("}" + _FENCE):
+            kind, slot = "fence", body[: -len(_FENCE) - 1]
+        elif body.endswith("}"):
+            kind, slot = "lock", body[:-1]
+        else:
+            return None
+    elif rest.startswith("{") and rest.endswith("}"):
+        kind, slot = "record", rest[1:-1]
+    else:
+        return None
+    if not slot or "{" in slot or "}" in slot:
+        return None
+    return kind, slot
+
+
+# --------------------------------------------------------------------------- the lock
+
+#: Between the fencing token and the acquisition's own token in a lock's value.
+LOCK_SEP = "/"
+
+
+def lock_value(fencing_token: int | str, token: str) -> str:
+    """What a held lock stores: ``<fencing token>/<token>`` (the lease's full token)."""
+    return f"{fencing_token}{LOCK_SEP}{token}"
+
+
+def parse_lock_value(value: str) -> tuple[int | None, str]:
+    """``(fencing token, owner id)`` of a lock's value; a v1 lock has no fencing token."""
+    fence: int | None = None
+    head, sep, rest = value.partition(LOCK_SEP)
+    if sep and head.isdigit():
+        fence, value = int(head), rest
+    owner = value.split("@", 1)[1] if "@" in value else value
+    return fence, owner
+
+
+# --------------------------------------------------------------------------- the record
+
+RECORD_VERSION = "2"
+#: The record's fields, in their order in the string; the payload is last.
+RECORD_FIELDS = ("version", "fence", "at", "serializer", "fingerprint", "task_id", "data")
+SEP = "|"
+_SEP_B = SEP.encode()
+#: A completed v2 record starts with this; the scripts test it.
+RECORD_HEAD = RECORD_VERSION + SEP
+#: Layout v1 (0.1.0): a hash with these fields (v: "1"; ct, enc: content type and encoding;
+#: data; fp: fingerprint; at: created at; fence: fencing token).
+V1_RECORD_FIELDS = ("v", "ct", "enc", "data", "fp", "at", "fence")
+V1_VERSION = "1"
+
+
+def lua_list(names: tuple[str, ...]) -> str:
+    """``'a', 'b'``: names as Lua string literals, for the scripts."""
+    return ", ".join("'" + name + "'" for name in names)
+
+
+class DecodedRecord(NamedTuple):
+    """A record's fields as stored (text), the payload as bytes; ``None`` for absent."""
+
+    fencing_token: int | None
+    created_at: float
+    serializer: str | None
+    content_type: str | None
+    encoding: str | None
+    fingerprint: str | None
+    task_id: str | None
+    data: bytes
+    version: str
+
+
+def _clean(value: str | None, what: str) -> str:
+    if value is None:
+        return ""
+    if SEP in value:
+        raise ValueError(f"{what} must not contain {SEP!r}: {value!r}")
+    return value
+
+
+#: Marks a created-at written in full (``repr`` of the float), not as whole µs.
+EXACT_AT = "~"
+#: The serializer an empty serializer field stands for.
+DEFAULT_SERIALIZER = "json"
+
+
+def encode_record(
+    *,
+    name: str,
+    fencing_token: int | None,
+    created_at: float,
+    serializer: str,
+    fingerprint: str | None,
+    task_id: str | None,
+    data: bytes,
+) -> bytes:
+    """The v2 record string stored under ``name`` (see the module docstring). A task id
+    holding ``|`` is dropped."""
+    tid = "" if task_id is None or SEP in task_id else task_id
+    stamp = float(created_at)
+    micros = round(stamp * 1_000_000)
+    if micros / 1_000_000 == stamp:  # a whole number of µs (the guard stamps those)
+        at = str(micros - int(fencing_token or 0))
+    else:  # anything else, exactly
+        at = EXACT_AT + repr(stamp)
+    fp = _clean(fingerprint, "fingerprint")
+    if fp and name.endswith(fp + "}"):
+        fp = f"={len(fp)}"
+    head = SEP.join(
+        (
+            RECORD_VERSION,
+            "" if fencing_token is None else str(int(fencing_token)),
+            at,
+            "" if serializer == DEFAULT_SERIALIZER else _clean(serializer, "serializer"),
+            fp,
+            tid,
+            "",
+        )
+    )
+    return head.encode("utf-8", "surrogatepass") + data
+
+
+def record_head(fencing_token: int) -> str:
+    """How a v2 record committed under ``fencing_token`` starts (a resent commit finds it)."""
+    return f"{RECORD_HEAD}{int(fencing_token)}{SEP}"
+
+
+def decode_record(value: bytes, name: str | None = None) -> DecodedRecord:
+    """The fields of a v2 record string stored under ``name`` (needed only to spell out a
+    fingerprint abbreviated as ``=<length>``); ``ValueError`` when it is not one."""
+    parts = value.split(_SEP_B, len(RECORD_FIELDS) - 1)
+    if len(parts) != len(RECORD_FIELDS) or parts[0] != RECORD_VERSION.encode():
+        raise ValueError("not a layout-v2 record")
+    _, fence_b, at_b, ser, fp_b, tid, data = parts
+    fence = int(fence_b) if fence_b else None
+    at_text = at_b.decode()
+    if at_text.startswith(EXACT_AT):
+        created_at = float(at_text[len(EXACT_AT) :])
+    else:
+        created_at = (int(at_text) + (fence or 0)) / 1_000_000
+    fp = fp_b.decode("utf-8", "surrogatepass")
+    if fp.startswith("="):
+        length = int(fp[1:])
+        if name is None or not name.endswith("}") or len(name) < length + 1:
+            raise ValueError("the fingerprint is in the record's name, which was not given")
+        fp = name[-1 - length : -1]
+    return DecodedRecord(
+        fencing_token=fence,
+        created_at=created_at,
+        serializer=ser.decode() or DEFAULT_SERIALIZER,
+        content_type=None,
+        encoding=None,
+        fingerprint=fp or None,
+        task_id=tid.decode("utf-8", "surrogatepass") or None,
+        data=data,
+        version=RECORD_VERSION,
+    )
+
+
+def decode_v1_record(values: list[bytes | str | None]) -> DecodedRecord:
+    """The fields of a v1 record hash (values of :data:`V1_RECORD_FIELDS`); ValueError."""
+    if len(values) != len(V1_RECORD_FIELDS) or any(v is None for v in values):
+        raise ValueError("stored record is incomplete or not ours")
+    text = [v.decode("utf-8") if isinstance(v, bytes) else v for v in values[:3]]
+    version, ctype, encoding = text
+    if version != V1_VERSION:
+        raise ValueError(f"unknown record version {version!r}")
+    data, fp, at, fence = values[3:]
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fp_t = fp.decode("utf-8") if isinstance(fp, bytes) else fp
+    at_t = at.decode("utf-8") if isinstance(at, bytes) else at
+    fence_t = fence.decode("utf-8") if isinstance(fence, bytes) else fence
+    return DecodedRecord(
+        fencing_token=int(fence_t) if fence_t else None,
+        created_at=float(at_t or "nan"),
+        serializer=None,
+        content_type=ctype,
+        encoding=encoding,
+        fingerprint=fp_t or None,
+        task_id=None,
+        data=raw or b"",
+        version=V1_VERSION,
+    )

@@ -1,0 +1,966 @@
+"""PostgreSQL backend: the key's lock is a row lock, its record commits in the body's transaction.
+
+``idempotency_url = "postgresql://user@host:5432/db"`` (psycopg 3, ``pip install
+celery-idempotent[postgres]``) or ``"django://<alias>"`` (Django's connection for that alias).
+One delivery goes::
+
+    BEGIN; lock the key's row (wait at most lock_timeout); fencing token = nextval(sequence)
+        ├── a completed, unexpired record ──> ROLLBACK, replay it
+        └── ours: the body runs on current_connection(), inside this transaction
+              ├── raises / killed / connection lost ──> ROLLBACK (by us or by the server):
+              │       the body's writes and the claim vanish together
+              └── returns ──> UPDATE the row to 'completed' with the result; COMMIT:
+                      the body's writes and the record become visible at once
+
+The lease is the transaction itself: it ends when the transaction does, never by a timer, so
+``lock_ttl`` and renewals have nothing to do here (``extend`` only checks the connection). A
+worker that dies or is cut off has its transaction rolled back by the server: at once when the
+socket closes (a SIGKILL, a crash), after the TCP keepalive probes (set on both ends of every
+connection, see :data:`KEEPALIVES`) when the network goes silent.
+
+Table (name configurable, created on first use unless ``create_table=False``; ``celery
+idempotency sql`` prints the DDL): one row per key with its state, result, fingerprint,
+fencing token and ``expires_at``. Fencing tokens come from one sequence: ``nextval`` is never
+rolled back, and it is called only after the row lock is taken, so tokens strictly increase
+across the successive holders of a key, also across rollbacks and record expiry.
+
+Expired rows are replaced in place by the next claim of their key; the others are deleted by
+a bounded sweep that runs at most once per ``cleanup_interval`` per process, after a commit:
+``DELETE ... WHERE ctid = ANY(ARRAY(SELECT ctid ... WHERE expires_at < now() ORDER BY
+expires_at LIMIT n FOR UPDATE SKIP LOCKED))``, which walks the ``expires_at`` index, touches
+at most ``n`` rows and skips rows a claim holds: never a full-table scan on the hot path.
+
+Round trips (psycopg pipeline mode): a first execution costs 1 to claim (BEGIN, lock, token and
+record look-up in one flight) and 1 to commit (UPDATE and COMMIT in one flight): the same two a
+plain ``BEGIN ... COMMIT`` transaction costs with psycopg, which sends BEGIN on its own. A
+duplicate of a completed key costs 2 (claim, ROLLBACK).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from celery_idempotent import _txn
+from celery_idempotent._validate import check_duration
+from celery_idempotent.exceptions import (
+    IdempotencyConnectionError,
+    RecordDecodeError,
+    ResultEncodeError,
+)
+from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "KEEPALIVES",
+    "POSTGRES_SCHEMES",
+    "DjangoBackend",
+    "PostgresBackend",
+    "backend_from_url",
+    "ddl",
+]
+
+log = logging.getLogger("celery_idempotent")
+
+#: The URL schemes of this backend.
+POSTGRES_SCHEMES = ("postgresql://", "postgres://", "django://")
+#: The table name when none is given (URL query parameter ``table``).
+DEFAULT_TABLE = "celery_idempotency"
+#: TCP keepalives set on every connection unless the URL sets them: libpq's on the client
+#: side, and the server's own (``tcp_keepalives_*``, per session) so that the server, which
+#: holds the row lock, notices a worker that went silent within about idle + interval * count
+#: seconds (25 s) and rolls its transaction back.
+KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}(\.[A-Za-z_][A-Za-z0-9_]{0,47})?$")
+_LOCK_NOT_AVAILABLE = "55P03"
+_DIVISION_BY_ZERO = "22012"
+
+
+class _Rollback(Exception):
+    """Passed to a transaction block's ``__exit__`` to make it roll back."""
+
+
+def _quote(table: str) -> str:
+    return ".".join(f'"{part}"' for part in table.split("."))
+
+
+def ddl(table: str = DEFAULT_TABLE) -> str:
+    """The SQL that creates the backend's table, index and sequence (idempotent: ``IF NOT
+    EXISTS``), for teams that run DDL themselves (``celery -A app idempotency sql``)."""
+    _check_table(table)
+    name = table.rsplit(".", maxsplit=1)[-1]
+    schema = table[: -len(name)]
+    t = _quote(table)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {t} (\n"
+        "    key              text PRIMARY KEY,\n"
+        "    state            text NOT NULL,          -- 'completed' (committed rows)\n"
+        "    fencing_token    bigint,\n"
+        "    fingerprint      text,\n"
+        "    content_type     text,\n"
+        "    content_encoding text,\n"
+        "    result           bytea,\n"
+        "    created_at       double precision,\n"
+        "    expires_at       timestamptz NOT NULL\n"
+        ");\n"
+        f'CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {t} (expires_at);\n'
+        f"CREATE SEQUENCE IF NOT EXISTS {_quote(schema + name + '_fencing')};\n"
+    )
+
+
+def _check_table(table: Any) -> str:
+    if not isinstance(table, str) or not _IDENT.match(table):
+        raise ValueError(
+            "table must be a PostgreSQL identifier (letters, digits, underscores, optionally "
+            f"schema-qualified: 'schema.table'), got {table!r}"
+        )
+    return table
+
+
+def _is_pg_error(exc: BaseException, code: str) -> bool:
+    """Whether ``exc`` (or, under Django, its cause) is the PostgreSQL error ``code``."""
+    for each in (exc, exc.__cause__):
+        if each is not None and (
+            getattr(each, "sqlstate", None) == code or getattr(each, "pgcode", None) == code
+        ):
+            return True
+    return False
+
+
+class _Statements:
+    """The SQL of one table."""
+
+    def __init__(self, table: str) -> None:
+        t = _quote(table)
+        name = table.rsplit(".", maxsplit=1)[-1]
+        schema = table[: -len(name)]
+        self.table = table
+        self.seq = f"{schema}{name}_fencing"
+        fields = "state, fingerprint, content_type, content_encoding, result, created_at, "
+        fields += "fencing_token"
+        self.lock_timeout = "SELECT set_config('lock_timeout', %s, true)"
+        self.lock_timeout_reset = "SET LOCAL lock_timeout TO DEFAULT"
+        # A row to lock: inserted when missing (visible only to this transaction until it
+        # commits). A concurrent insert of the same key makes this wait for that transaction
+        # (lock_timeout applies); an existing row is left alone, unlocked.
+        self.insert = (
+            f"INSERT INTO {t} (key, state, fencing_token, expires_at) "
+            "VALUES (%s, 'running', 0, '-infinity') ON CONFLICT (key) DO NOTHING"
+        )
+        # Claim: lock the row (waiting for its holder) unless it holds an unexpired record;
+        # the token is drawn after the lock is ours, so successive holders draw in order.
+        self.claim = (
+            f"UPDATE {t} SET state = 'running', fencing_token = nextval('{self.seq}') "
+            "WHERE key = %s AND (state <> 'completed' OR expires_at <= statement_timestamp()) "
+            "RETURNING fencing_token"
+        )
+        # Lock only (LockProvider.acquire): the row whatever it holds.
+        self.lock = (
+            f"UPDATE {t} SET fencing_token = nextval('{self.seq}') WHERE key = %s "
+            "RETURNING fencing_token"
+        )
+        self.select = (
+            f"SELECT {fields} FROM {t} WHERE key = %s AND state = 'completed' "
+            "AND expires_at > statement_timestamp()"
+        )
+        # Commit: only the lease's own row; no row -> division by zero, which aborts the
+        # transaction so that the COMMIT sent with it commits nothing (body's writes included).
+        self.commit = (
+            f"WITH done AS (UPDATE {t} SET state = 'completed', fingerprint = %s, "
+            "content_type = %s, content_encoding = %s, result = %s, created_at = %s, "
+            "expires_at = statement_timestamp() + make_interval(secs => %s) "
+            "WHERE key = %s AND fencing_token = %s RETURNING 1) "
+            "SELECT 1 / (SELECT count(*)::int FROM done)"
+        )
+        # After a lost reply: did this lease's commit land? (With the session check below.)
+        self.verify = f"SELECT state, fencing_token FROM {t} WHERE key = %s"
+        self.session = "SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = %s"
+        self.upsert = (
+            f"INSERT INTO {t} (key, state, fencing_token, fingerprint, content_type, "
+            "content_encoding, result, created_at, expires_at) VALUES (%s, 'completed', "
+            "%s, %s, %s, %s, %s, %s, "
+            "statement_timestamp() + make_interval(secs => %s)) ON CONFLICT (key) DO UPDATE "
+            "SET state = 'completed', fencing_token = EXCLUDED.fencing_token, "
+            "fingerprint = EXCLUDED.fingerprint, content_type = EXCLUDED.content_type, "
+            "content_encoding = EXCLUDED.content_encoding, result = EXCLUDED.result, "
+            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at"
+        )
+        self.delete = (
+            f"DELETE FROM {t} WHERE key = %s AND state = 'completed' "
+            "AND expires_at > statement_timestamp()"
+        )
+        self.delete_any = f"DELETE FROM {t} WHERE key = %s"
+        self.probe = f"SELECT 1 FROM {t} WHERE key = %s FOR UPDATE NOWAIT"
+        self.cleanup = (
+            f"DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} "
+            "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
+            "FOR UPDATE SKIP LOCKED))"
+        )
+        # A plain MVCC read of the catalog (to_regclass may answer from a catalog snapshot
+        # taken before a concurrent creator committed).
+        self.exists = (
+            "SELECT count(*) = 2 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE c.relname IN (%s, %s) AND (n.nspname = %s OR "
+            "(%s = '' AND pg_catalog.pg_table_is_visible(c.oid)))"
+        )
+        schema_name = schema.rstrip(".")
+        self.exists_params = (name, name + "_fencing", schema_name, schema_name)
+        self.ddl_lock = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+
+
+class _Tx:
+    """One open guarded transaction (a lease): its connection and how to end it."""
+
+    __slots__ = ("block", "conn", "key", "lease", "pid", "raw")
+
+    def __init__(self, conn: Any, block: Any, key: str, raw: Any) -> None:
+        self.conn = conn
+        self.block = block
+        self.key = key
+        self.lease: Lease | None = None
+        self.raw = raw  # the psycopg connection (conn itself, or under Django's wrapper)
+        self.pid: int | None = raw.info.backend_pid if raw is not None else None
+
+
+def _raw_alive(raw: Any) -> bool:
+    """Whether a psycopg connection is still in its transaction, without a round trip.
+
+    Called from the renewal thread while the body may be using the connection: when the body
+    holds it (a query in flight), it is alive by definition; otherwise the socket is read for
+    whatever the server sent unasked (a termination notice, EOF) and the status checked.
+    """
+    if raw is None or raw.closed or raw.broken:
+        return False
+    psycopg = _psycopg()
+    if not raw.lock.acquire(blocking=False):
+        return True
+    try:
+        raw.pgconn.consume_input()
+        return bool(
+            raw.pgconn.status == psycopg.pq.ConnStatus.OK
+            and raw.info.transaction_status
+            in (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.ACTIVE)
+        )
+    except Exception:
+        return False
+    finally:
+        raw.lock.release()
+
+
+class PostgresBackend:
+    """Locks and records in one PostgreSQL table; the record commits in the body's transaction.
+
+    It is at once the guard's ``lock_provider``, its ``store`` and (``atomic_with``) the
+    backend that claims and commits in one step: pass the same instance as both::
+
+        backend = PostgresBackend("postgresql://app@db/app")
+        guard = DistributedIdempotencyGuard(store=backend, lock_provider=backend)
+
+        def body():
+            current_connection().execute("INSERT INTO payments ...")   # commits with the record
+
+    ``url`` is a libpq URL (its query may carry libpq parameters; ``table`` and
+    ``lock_timeout`` are read from it too, as defaults of the keywords). ``table`` names the
+    table (``schema.table`` allowed). A claim waits at most ``lock_timeout`` seconds for a
+    key's current holder, then counts as one failed lock attempt: the guard backs off and
+    tries again, as with Redis. ``serializer`` and ``accept`` are kombu serializer names, as
+    for :class:`~celery_idempotent.RedisIdempotencyStore` (pickle is loaded only when
+    accepted). ``create_table=False`` never runs DDL (see :func:`ddl`). ``cleanup_interval``
+    seconds at least between two bounded sweeps of at most ``cleanup_batch`` expired rows.
+    ``max_idle`` connections are kept open for reuse per process.
+    """
+
+    driver = "psycopg"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        table: str | None = None,
+        lock_timeout: Any = None,
+        serializer: str = "json",
+        accept: Iterable[str] | None = ("json",),
+        create_table: bool = True,
+        cleanup_interval: Any = 60.0,
+        cleanup_batch: int = 500,
+        max_idle: int = 8,
+    ) -> None:
+        options: dict[str, str] = {}
+        if url is not None:
+            url, options = _split_url(url)
+        self.url = url
+        self.table = _check_table(
+            table if table is not None else options.get("table", DEFAULT_TABLE)
+        )
+        timeout = lock_timeout if lock_timeout is not None else options.get("lock_timeout", 0.5)
+        if isinstance(timeout, str):
+            try:
+                timeout = float(timeout)
+            except ValueError:
+                raise ValueError(f"lock_timeout must be seconds, got {timeout!r}") from None
+        self.lock_timeout = check_duration("lock_timeout", timeout)
+        self.cleanup_interval = check_duration("cleanup_interval", cleanup_interval)
+        if not isinstance(cleanup_batch, int) or cleanup_batch < 1:
+            raise ValueError(f"cleanup_batch must be a positive int, got {cleanup_batch!r}")
+        if not isinstance(max_idle, int) or max_idle < 0:
+            raise ValueError(f"max_idle must be an int >= 0, got {max_idle!r}")
+        if not isinstance(create_table, bool):
+            raise TypeError(f"create_table must be True or False, got {create_table!r}")
+        self.cleanup_batch = cleanup_batch
+        self.max_idle = max_idle
+        self.create_table = create_table
+        self._codec = _Codec(serializer, accept)
+        self.serializer = serializer
+        self.accept = self._codec.accept
+        self.sql = _Statements(self.table)
+        self._lock = threading.Lock()
+        self._ddl_lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._ready = False
+        self._next_cleanup = time.monotonic() + self.cleanup_interval * _jitter()
+        self._open: dict[str, _Tx] = {}
+        # lease token -> backend pid of a commit whose reply was lost
+        self._unconfirmed: dict[str, int | None] = {}
+        if self.driver == "psycopg":
+            if url is None:
+                raise ValueError("PostgresBackend needs a postgresql:// URL")
+            _psycopg()  # fail now, with the install line, when psycopg is missing
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({_redact(self.url or '')!r}, table={self.table!r})"
+
+    # -- connections (psycopg) ----------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        psycopg = _psycopg()
+        kwargs: dict[str, Any] = {"autocommit": True}
+        given = psycopg.conninfo.conninfo_to_dict(self.url)
+        kwargs.setdefault("connect_timeout", 10)
+        if "keepalives" not in given:
+            kwargs["keepalives"] = 1
+            kwargs["keepalives_idle"] = KEEPALIVES["idle"]
+            kwargs["keepalives_interval"] = KEEPALIVES["interval"]
+            kwargs["keepalives_count"] = KEEPALIVES["count"]
+            server = " ".join(f"-c tcp_keepalives_{k}={v}" for k, v in KEEPALIVES.items())
+            kwargs["options"] = f"{given.get('options', '')} {server}".strip()
+        kwargs.setdefault("application_name", given.get("application_name", "celery-idempotent"))
+        try:
+            return psycopg.connect(self.url, **kwargs)
+        except psycopg.OperationalError as exc:
+            raise ConnectionError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Connections made before a fork belong to the parent: never use or close
+                # them here (closing would send a Terminate on the parent's socket).
+                self._idle = []
+                self._open = {}
+                self._pid = os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._connect()
+        if not self._ready:
+            with self._ddl_lock:
+                if not self._ready:
+                    try:
+                        self._ensure_table(conn)
+                    except BaseException:
+                        conn.close()
+                        raise
+        return conn
+
+    def _put(self, conn: Any) -> None:
+        psycopg = _psycopg()
+        usable = (
+            not conn.closed
+            and not conn.broken
+            and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and self._pid == os.getpid()
+        )
+        if usable:
+            with self._lock:
+                if len(self._idle) < self.max_idle:
+                    self._idle.append(conn)
+                    return
+        try:
+            conn.close()
+        except Exception:  # pragma: no cover - closing a broken connection
+            log.debug("closing a PostgreSQL connection failed", exc_info=True)
+
+    def close(self) -> None:
+        """Close the idle connections (open transactions are left to their holders)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _ensure_table(self, conn: Any) -> None:
+        psycopg = _psycopg()
+        with conn.cursor() as cur:
+            cur.execute(self.sql.exists, self.sql.exists_params)
+            row = cur.fetchone()
+            if not (row and row[0]):
+                if not self.create_table:
+                    raise IdempotencyConnectionError(
+                        None,
+                        f"table {self.table} does not exist and create_table=False: run the "
+                        "DDL of 'celery -A <app> idempotency sql' first",
+                    )
+                # Two processes creating the table at once would collide in pg_type; and
+                # CREATE INDEX IF NOT EXISTS locks the table even when the index exists, which
+                # would wait behind running claims: look again under the lock first.
+                with conn.transaction():
+                    cur.execute(self.sql.ddl_lock, ("celery_idempotent:" + self.table,))
+                    cur.execute(self.sql.exists, self.sql.exists_params)
+                    again = cur.fetchone()
+                    if not (again and again[0]):
+                        cur.execute(ddl(self.table))
+        del psycopg
+        self._ready = True
+
+    # -- the driver: begin, run, end ------------------------------------------------------------
+
+    def _begin(
+        self, key: str, statements: Sequence[tuple[str, Sequence[Any]]]
+    ) -> tuple[_Tx, list[Any]]:
+        """Open a transaction and run ``statements`` in it (one flight); on error it is
+        rolled back and the error raised."""
+        psycopg = _psycopg()
+        conn = self._get()
+        block = conn.transaction()
+        try:
+            with conn.pipeline():
+                block.__enter__()
+                results = self._queue(conn, statements)
+            return _Tx(conn, block, key, conn), [r() for r in results]
+        except BaseException as exc:
+            self._abort(conn, block, exc)
+            if isinstance(exc, psycopg.OperationalError) and not _is_pg_error(
+                exc, _LOCK_NOT_AVAILABLE
+            ):
+                raise ConnectionError(f"PostgreSQL: {exc}") from exc
+            raise
+
+    def _queue(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        cursors = []
+        for sql, params in statements:
+            cur = conn.cursor()
+            cur.execute(sql, params)
+            cursors.append(cur)
+
+        def reader(cur: Any) -> Any:
+            def read() -> Any:
+                if cur.description is None:
+                    return cur.rowcount
+                return cur.fetchall()
+
+            return read
+
+        # Results are read after the pipeline block has sent everything and synced.
+        return [reader(cur) for cur in cursors]
+
+    def _abort(self, conn: Any, block: Any, exc: BaseException) -> None:
+        """Roll back after a failure in ``block``; close the connection when that fails."""
+        try:
+            if not conn.broken and not conn.closed:
+                block.__exit__(type(exc), exc, exc.__traceback__)
+        except Exception:
+            log.debug("rollback failed; closing the connection", exc_info=True)
+            conn.close()
+        self._put(conn)
+
+    def _run(
+        self, tx: _Tx, statements: Sequence[tuple[str, Sequence[Any]]], *, commit: bool
+    ) -> list[Any]:
+        """Run ``statements`` in ``tx`` (and COMMIT, when asked) in one flight."""
+        psycopg = _psycopg()
+        conn = tx.conn
+        try:
+            with conn.pipeline():
+                results = self._queue(conn, statements)
+                if commit:
+                    tx.block.__exit__(None, None, None)
+            return [r() for r in results]
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise ConnectionError(f"PostgreSQL: {exc}") from exc
+            raise
+
+    def _rollback(self, tx: _Tx) -> None:
+        error = _Rollback()
+        self._abort(tx.conn, tx.block, error)
+
+    def _finish(self, tx: _Tx) -> None:
+        self._put(tx.conn)
+
+    def _alive(self, tx: _Tx) -> bool:
+        return _raw_alive(tx.raw)
+
+    def _autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run ``statements`` in a transaction of their own and commit."""
+        tx, results = self._begin("", statements)
+        try:
+            self._run(tx, [], commit=True)
+        finally:
+            self._finish(tx)
+        return results
+
+    def _connection_of(self, tx: _Tx) -> Any:
+        return tx.conn
+
+    # -- lock provider ------------------------------------------------------------------------
+
+    def _row(self, name: str) -> str:
+        """The row of a lock resource or record key: ``P lock:{K}`` and ``P{K}`` share one."""
+        at = name.find("lock:{")
+        return name[:at] + name[at + 5 :] if at >= 0 else name
+
+    def _claim_statements(self, row: str, lock_only: bool) -> list[tuple[str, Sequence[Any]]]:
+        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
+        return [
+            (self.sql.lock_timeout, (ms,)),
+            (self.sql.insert, (row,)),
+            (self.sql.lock if lock_only else self.sql.claim, (row,)),
+            (self.sql.select, (row,)),
+            (self.sql.lock_timeout_reset, ()),
+        ]
+
+    def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+        try:
+            tx, results = self._begin(row, self._claim_statements(row, lock_only))
+        except Exception as exc:
+            if _is_pg_error(exc, _LOCK_NOT_AVAILABLE):
+                return Claim(None, None)  # held: one failed attempt
+            raise
+        claimed, found = results[2], results[3]
+        if claimed:
+            lease = Lease(resource, uuid.uuid4().hex, int(claimed[0][0]))
+            tx.lease = lease
+            self._open[lease.token] = tx
+            _txn.register(lease.token, self._connection_of(tx))
+            return Claim(lease, None)
+        self._rollback(tx)
+        if found:
+            return Claim(None, self._codec.decode(row, found[0]))
+        return Claim(None, None)  # deleted meanwhile: try again
+
+    def acquire(self, resource: str, ttl: float) -> Lease | None:
+        """Lock ``resource``'s row in a new transaction (``ttl`` is checked, not used: the
+        lease lasts as long as the transaction); ``None`` when held past ``lock_timeout``."""
+        check_duration("ttl", ttl)
+        return self._claim(resource, self._row(resource), lock_only=True).lease
+
+    def extend(self, lease: Lease, ttl: float) -> bool:
+        """``True`` while the lease's transaction is open on a healthy connection (no I/O)."""
+        check_duration("ttl", ttl)
+        tx = self._open.get(lease.token)
+        return tx is not None and self._alive(tx)
+
+    def release(self, lease: Lease) -> bool:
+        """Roll back the lease's transaction (the body's writes with it)."""
+        tx = self._open.pop(lease.token, None)
+        if tx is None:
+            return False
+        _txn.unregister(lease.token)
+        alive = self._alive(tx)
+        self._rollback(tx)
+        return alive
+
+    def is_locked(self, resource: str) -> bool:
+        """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
+        row = self._row(resource)
+        statements = [
+            (self.sql.lock_timeout, ("1ms",)),
+            (self.sql.insert, (row,)),
+            (self.sql.probe, (row,)),
+        ]
+        try:
+            tx, _ = self._begin(row, statements)
+        except Exception as exc:
+            if _is_pg_error(exc, _LOCK_NOT_AVAILABLE):
+                return True
+            raise
+        self._rollback(tx)
+        return False
+
+    def clear(self) -> None:
+        """Roll back this process's open transactions and delete every row of the table."""
+        for token in list(self._open):
+            tx = self._open.get(token)
+            if tx is not None and tx.lease is not None:
+                self.release(tx.lease)
+        self._autocommit([(f"DELETE FROM {_quote(self.table)}", ())])
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def get(self, key: str) -> IdempotencyRecord | None:
+        """The unexpired completed record of ``key`` (not waiting for a running holder)."""
+        rows = self._autocommit([(self.sql.select, (self._row(key),))])[0]
+        return self._codec.decode(key, rows[0]) if rows else None
+
+    def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
+        """Store ``record`` for ``ttl`` seconds in a transaction of its own."""
+        ttl = check_duration("ttl", ttl)
+        ctype, encoding, data = self._codec.encode(key, record)
+        params = (
+            self._row(key),
+            record.fencing_token,
+            record.fingerprint,
+            ctype,
+            encoding,
+            data,
+            float(record.created_at),
+            ttl,
+        )
+        self._autocommit([(self.sql.upsert, params)])
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``'s completed record; ``True`` when there was one."""
+        return bool(self._autocommit([(self.sql.delete, (self._row(key),))])[0])
+
+    def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
+        """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
+        return self if lock_provider is self else None
+
+    # -- atomic backend ---------------------------------------------------------------------------
+
+    def claim(self, resource: str, key: str, ttl: float) -> Claim:
+        """Lock ``key``'s row in a new transaction, unless it holds an unexpired record (then
+        that record, no lease); ``Claim(None, None)`` when held past ``lock_timeout``."""
+        check_duration("ttl", ttl)
+        return self._claim(resource, self._row(key), lock_only=False)
+
+    def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """Write the record into the lease's transaction and COMMIT it (with the body's
+        writes). ``False`` when the lease is no longer ours. A connection error raises
+        ``ConnectionError`` (the outcome is open); called again after one, it answers from
+        the database whether this lease's record was committed."""
+        ttl = check_duration("ttl", ttl)
+        row = self._row(key)
+        tx = self._open.get(lease.token)
+        if tx is None:
+            pending = self._unconfirmed.pop(lease.token, None)
+            if pending is None:
+                return False
+            try:
+                return self._verify(lease, row, pending)
+            except ConnectionError:
+                self._unconfirmed[lease.token] = pending
+                raise
+        if not self._alive(tx):
+            self.release(lease)
+            return False
+        ctype, encoding, data = self._codec.encode(key, record)
+        params = (
+            record.fingerprint,
+            ctype,
+            encoding,
+            data,
+            float(record.created_at),
+            ttl,
+            row,
+            lease.fencing_token,
+        )
+        try:
+            self._run(tx, [(self.sql.commit, params)], commit=True)
+        except ConnectionError:
+            self._forget(lease, tx)  # the verification runs on another connection
+            self._unconfirmed[lease.token] = tx.pid
+            raise
+        except Exception as exc:
+            self._forget(lease, tx)
+            self._rollback(tx)
+            if _is_pg_error(exc, _DIVISION_BY_ZERO):
+                return False  # the row is not this lease's: nothing committed
+            raise
+        self._forget(lease, tx)
+        self._finish(tx)
+        self._maybe_cleanup()
+        return True
+
+    def _forget(self, lease: Lease, tx: _Tx) -> None:
+        self._open.pop(lease.token, None)
+        _txn.unregister(lease.token)
+
+    def _verify(self, lease: Lease, row: str, pid: int | None) -> bool:
+        """After a lost commit reply: the record is there with this lease's token (True),
+        or the server has ended the session that sent the commit without it (False); while
+        that session still exists the outcome is open (ConnectionError)."""
+        rows, alive = self._autocommit([(self.sql.verify, (row,)), (self.sql.session, (pid,))])
+        if rows and rows[0][0] == "completed" and rows[0][1] == lease.fencing_token:
+            return True
+        if alive and alive[0][0]:
+            raise ConnectionError("the session that sent the commit is still open on the server")
+        return False
+
+    def _maybe_cleanup(self) -> None:
+        now = time.monotonic()
+        if now < self._next_cleanup:
+            return
+        self._next_cleanup = now + self.cleanup_interval * _jitter()
+        try:
+            self.cleanup()
+        except Exception as exc:  # never fail a committed delivery over housekeeping
+            log.warning(
+                "celery-idempotent: sweeping expired rows of %s failed: %r", self.table, exc
+            )
+
+    def cleanup(self, limit: int | None = None) -> int:
+        """Delete at most ``limit`` (``cleanup_batch``) expired rows, oldest first, skipping
+        rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
+        n = self.cleanup_batch if limit is None else limit
+        return int(self._autocommit([(self.sql.cleanup, (n,))])[0])
+
+
+class DjangoBackend(PostgresBackend):
+    """:class:`PostgresBackend` on Django's connection for a database ``alias``.
+
+    The guard's transaction is ``transaction.atomic(using=alias)``, so the body's ORM writes
+    (on that alias) commit together with the record; nested ``atomic()`` blocks in the body
+    are savepoints. Tested with Django's PostgreSQL engine (psycopg 3); other engines are
+    refused (they have no row locks to wait on).
+    """
+
+    driver = "django"
+
+    def __init__(self, alias: str = "default", **options: Any) -> None:
+        if not isinstance(alias, str) or not alias:
+            raise ValueError(f"django:// needs a database alias, got {alias!r}")
+        self.alias = alias
+        super().__init__(None, **options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.alias!r}, table={self.table!r})"
+
+    def _db(self) -> Any:
+        from django.db import connections  # noqa: PLC0415 - Django is optional
+
+        conn = connections[self.alias]
+        if conn.vendor != "postgresql":
+            raise ValueError(
+                f"django://{self.alias}: the database's engine is {conn.vendor!r}; the "
+                "idempotency backend needs PostgreSQL (django.db.backends.postgresql)"
+            )
+        return conn
+
+    def _begin(
+        self, key: str, statements: Sequence[tuple[str, Sequence[Any]]]
+    ) -> tuple[_Tx, list[Any]]:
+        from django.db import transaction  # noqa: PLC0415
+
+        conn = self._db()
+        block = transaction.atomic(using=self.alias)
+        block.__enter__()
+        try:
+            if not self._ready:
+                self._django_ensure_table(conn)
+            results = self._execute(conn, statements)
+            return _Tx(conn, block, key, conn.connection), results
+        except BaseException as exc:
+            block.__exit__(type(exc), exc, exc.__traceback__)
+            if _is_pg_error(exc, _LOCK_NOT_AVAILABLE):
+                raise
+            from django.db import InterfaceError, OperationalError  # noqa: PLC0415
+
+            if isinstance(exc, (OperationalError, InterfaceError)):
+                raise ConnectionError(f"PostgreSQL (django://{self.alias}): {exc}") from exc
+            raise
+
+    def _execute(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        results: list[Any] = []
+        with conn.cursor() as cur:
+            for sql, params in statements:
+                cur.execute(sql, list(params) or None)
+                results.append(cur.rowcount if cur.description is None else cur.fetchall())
+        return results
+
+    def _django_ensure_table(self, conn: Any) -> None:
+        with conn.cursor() as cur:
+            cur.execute(self.sql.exists, list(self.sql.exists_params))
+            row = cur.fetchone()
+            if not (row and row[0]):
+                if not self.create_table:
+                    raise IdempotencyConnectionError(
+                        None, f"table {self.table} does not exist and create_table=False"
+                    )
+                cur.execute(self.sql.ddl_lock, ["celery_idempotent:" + self.table])
+                cur.execute(self.sql.exists, list(self.sql.exists_params))
+                again = cur.fetchone()
+                if not (again and again[0]):
+                    for statement in ddl(self.table).split(";\n"):
+                        if statement.strip():
+                            cur.execute(statement)
+        self._ready = True
+
+    def _run(
+        self, tx: _Tx, statements: Sequence[tuple[str, Sequence[Any]]], *, commit: bool
+    ) -> list[Any]:
+        from django.db import InterfaceError, OperationalError  # noqa: PLC0415
+
+        try:
+            results = self._execute(tx.conn, statements)
+            if commit:
+                tx.block.__exit__(None, None, None)
+        except (OperationalError, InterfaceError) as exc:
+            if not _is_pg_error(exc, _DIVISION_BY_ZERO) and not self._usable(tx.conn):
+                raise ConnectionError(f"PostgreSQL (django://{self.alias}): {exc}") from exc
+            raise
+        return results
+
+    @staticmethod
+    def _usable(conn: Any) -> bool:
+        try:
+            return bool(conn.connection is not None and conn.is_usable())
+        except Exception:
+            return False
+
+    def _rollback(self, tx: _Tx) -> None:
+        error = _Rollback()
+        try:
+            tx.block.__exit__(_Rollback, error, None)
+        except Exception:
+            log.debug("rollback failed", exc_info=True)
+
+    def _finish(self, tx: _Tx) -> None:
+        return None
+
+    def _alive(self, tx: _Tx) -> bool:
+        conn = tx.conn
+        if not conn.in_atomic_block or conn.needs_rollback or conn.connection is not tx.raw:
+            return False
+        return _raw_alive(tx.raw) if hasattr(tx.raw, "pgconn") else True
+
+    def _autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        tx, results = self._begin("", statements)
+        tx.block.__exit__(None, None, None)
+        return results
+
+    def _connection_of(self, tx: _Tx) -> Any:
+        return tx.conn
+
+    def close(self) -> None:
+        """Nothing to close: Django owns its connections."""
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class _Codec:
+    """Results through kombu's serializers, loaded only with an accept list."""
+
+    def __init__(self, serializer: str, accept: Iterable[str] | None) -> None:
+        import kombu.serialization  # noqa: PLC0415
+
+        kombu_ser: Any = kombu.serialization
+        registry = kombu_ser.registry
+        if not isinstance(serializer, str) or serializer not in registry._encoders:
+            known = ", ".join(sorted(registry._encoders))
+            raise ValueError(f"serializer must be one of {known}, got {serializer!r}")
+        if accept is None or isinstance(accept, str):
+            raise TypeError(
+                f"accept must be a list of serializer names or content types, got {accept!r}"
+            )
+        self.accept = frozenset(kombu_ser.prepare_accept_content(list(accept)))
+        self.serializer = serializer
+        self._codec = registry._encoders[serializer]
+        self._kombu = kombu_ser
+        if self._codec.content_type not in self.accept:
+            raise ValueError(
+                f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
+                "refuse to read back; add it to accept"
+            )
+
+    def encode(self, key: str, record: IdempotencyRecord) -> tuple[str, str, bytes]:
+        codec = self._codec
+        try:
+            data = codec.encoder(record.result)
+        except Exception as exc:
+            raise ResultEncodeError(key, record.result, f"{self.serializer}: {exc}") from exc
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return codec.content_type, codec.content_encoding, bytes(data)
+
+    def decode(self, key: str, row: Sequence[Any]) -> IdempotencyRecord:
+        _state, fingerprint, ctype, encoding, data, created_at, fence = row
+        if ctype not in self.accept:
+            raise RecordDecodeError(
+                key,
+                ctype,
+                f"stored result has content type {ctype!r}, which accept={sorted(self.accept)} "
+                "does not allow; it was not loaded",
+            )
+        raw = bytes(data) if data is not None else b""
+        try:
+            payload: Any = raw if encoding == "binary" else raw.decode(encoding or "utf-8")
+            result = self._kombu.loads(payload, ctype, encoding, accept=self.accept)
+        except Exception as exc:
+            raise RecordDecodeError(key, ctype, f"stored result cannot be decoded: {exc}") from exc
+        token = None if fence is None else int(fence)
+        return IdempotencyRecord(result, fingerprint, float(created_at or 0.0), token)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the PostgreSQL backend needs psycopg 3: pip install 'celery-idempotent[postgres]'"
+        ) from exc
+    return psycopg
+
+
+def _jitter() -> float:
+    import random  # noqa: PLC0415
+
+    return 0.5 + random.random()  # noqa: S311 - spreads the sweeps of many processes
+
+
+_OURS = ("table", "lock_timeout")
+
+
+def _split_url(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without this backend's own query parameters, and those parameters."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _OURS}
+    rest = [(k, v) for k, v in query if k not in _OURS]
+    return urlunsplit(parts._replace(query=urlencode(rest))), ours
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
+
+
+def backend_from_url(
+    url: str, *, serializer: str = "json", accept: Iterable[str] | None = ("json",)
+) -> PostgresBackend:
+    """The backend an ``idempotency_url`` of this module's schemes stands for."""
+    if url.startswith("django://"):
+        rest, options = _split_url(url)
+        alias = urlsplit(rest).netloc or "default"
+        return DjangoBackend(
+            alias,
+            table=options.get("table"),
+            lock_timeout=options.get("lock_timeout"),
+            serializer=serializer,
+            accept=accept,
+        )
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    return PostgresBackend(url, serializer=serializer, accept=accept)

@@ -1,0 +1,320 @@
+"""The one place where the simulation touches the library.
+
+Everything the harness knows about the library goes through here, so that a change of the
+library's layout or renewal (issues 11, 12, 13) is an edit of this file, not of the harness:
+
+- :func:`make_guard` builds a real :class:`DistributedIdempotencyGuard` on the real Redis
+  lock provider and store, over a :class:`~.world.SimClient`. The Lua scripts are the ones the
+  library registers; the simulation never has a copy of them (a mutant edits the text the
+  library registers, see :mod:`.mutants`).
+- :class:`SimKeeper` runs the library's own renewal decision (``LeaseKeeper._renew``) on the
+  process's simulated clock, scheduled the way the keeper thread schedules it (one keeper per
+  process, renewals one after the other).
+- :class:`Layout` reads a key's state (holder, fencing token, record) out of the simulated
+  keyspace for the checker, with the library's own names and record decoder.
+- :func:`role_of` names a script by comparing it with the library's constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import inspect
+import itertools
+import json
+import textwrap
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from celery_idempotent import _redis, _renewal
+from celery_idempotent.guard import DistributedIdempotencyGuard
+from celery_idempotent.keys import lock_resource, record_key
+from celery_idempotent.locks.redis import RedisLockProvider
+from celery_idempotent.stores.redis import RedisIdempotencyStore
+
+from .server import Entry, SimRedis
+from .world import Process
+
+try:  # layout v2 (issue 13): one module owns names and the record format
+    from celery_idempotent import keyspace as _keyspace
+except ImportError:  # pragma: no cover - layout v1
+    _keyspace = None  # type: ignore[assignment]
+
+__all__ = [
+    "PREFIX",
+    "KeyView",
+    "Layout",
+    "SimKeeper",
+    "make_guard",
+    "rebind",
+    "role_of",
+]
+
+PREFIX = "idempotency:"
+LAYOUT = "v2" if _keyspace is not None and hasattr(_keyspace, "decode_record") else "v1"
+
+
+def rebind(fn: Callable[..., Any], **names: Any) -> Any:
+    """``fn`` with some of its module globals replaced (same code object: the real code)."""
+    glb = dict(fn.__globals__)
+    glb.update(names)
+    new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+def recompile(fn: Callable[..., Any], edit: Callable[[str], str], **names: Any) -> Any:
+    """``fn`` compiled again from its source after ``edit`` (a mutant of the real code)."""
+    source = textwrap.dedent(inspect.getsource(fn))
+    edited = edit(source)
+    if edited == source:
+        raise ValueError(f"mutation did not apply to {fn.__qualname__}")
+    glb = dict(fn.__globals__)
+    glb.update(names)
+    ns: dict[str, Any] = {}
+    exec(compile(edited, f"<mutant of {fn.__qualname__}>", "exec"), glb, ns)  # noqa: S102
+    new = ns[fn.__name__]
+    return rebind(new, **names)
+
+
+# -- scripts --------------------------------------------------------------------------------
+
+_ROLES = {
+    "CLAIM": "claim",
+    "COMMIT": "commit",
+    "EXTEND": "renew",
+    "RELEASE": "release",
+    "ACQUIRE": "acquire",
+    "SET_RECORD": "set_record",
+    "READ_KEY": "read_key",
+}
+
+
+def script_roles() -> dict[str, str]:
+    """Script source -> role, from the library's own constants."""
+    out: dict[str, str] = {}
+    for const, role in _ROLES.items():
+        src = getattr(_redis, const, None)
+        if isinstance(src, str):
+            out[src] = role
+    return out
+
+
+def role_of(script: str, roles: dict[str, str]) -> str:
+    return roles.get(script, "script?")
+
+
+def request_token(role: str, keys: list[Any], args: list[Any]) -> str | None:
+    """The lease token a script call carries (its first argument for the lease scripts)."""
+    if role in ("claim", "commit", "renew", "release", "acquire") and args:
+        token = args[0]
+        return token.decode() if isinstance(token, bytes) else str(token)
+    return None
+
+
+def holds(holder: str | None, token: str | None) -> bool:
+    """Whether the lock's value ``holder`` is the lease of ``token`` (v2 prefixes the fence)."""
+    if holder is None or token is None:
+        return False
+    return holder == token or holder.endswith("/" + token)
+
+
+def owner_of(token: str) -> str:
+    """The owner id in a lock value (``[fence/]random@owner``)."""
+    return token.split("@", 1)[1] if "@" in token else token
+
+
+# -- the keyspace, as the checker sees it -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyView:
+    """One idempotency key's state at the server now (expired entries are absent)."""
+
+    holder: str | None
+    holder_expire_ms: int | None
+    fence_key: int | None  # the fence key's value (v1: last token; v2: only while ahead)
+    record_stamp: int | None  # write stamp: changes with every write of the record
+    record_value: Any
+    record_fence: int | None
+    record_expire_ms: int | None
+    record_fp: str | None
+
+
+_NO_VALUE = object()
+
+
+class Layout:
+    """Where a key's lock, fence and record are, and how to read the record."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.lock = lock_resource(PREFIX, key).encode()
+        self.record = record_key(PREFIX, key).encode()
+        self.fence = RedisLockProvider.fence_key(lock_resource(PREFIX, key)).encode()
+
+    def view(self, server: SimRedis) -> KeyView:
+        lock = server.peek(self.lock)
+        fence = server.peek(self.fence)
+        rec = server.peek(self.record)
+        holder = None if lock is None else lock.value.decode()
+        value, rfence, fp = (None, None, None) if rec is None else decode_record(rec)
+        return KeyView(
+            holder=holder,
+            holder_expire_ms=None if lock is None else lock.expire_ms,
+            fence_key=None if fence is None else int(fence.value),
+            record_stamp=None if rec is None else rec.version,
+            record_value=value,
+            record_fence=rfence,
+            record_expire_ms=None if rec is None else rec.expire_ms,
+            record_fp=fp,
+        )
+
+    def grant_fence(self, view: KeyView) -> int | None:
+        """The fencing token of the holder in ``view``."""
+        if view.holder is not None and "/" in view.holder:
+            head = view.holder.split("/", 1)[0]
+            if head.isdigit():
+                return int(head)
+        return view.fence_key
+
+
+def decode_record(entry: Entry) -> tuple[Any, int | None, str | None]:
+    """(result value, fencing token, fingerprint) of a stored record, v1 hash or v2 string."""
+    if entry.kind == "hash":
+        fields = entry.value
+        data = fields.get(b"data", b"")
+        fence = fields.get(b"fence") or b""
+        fp = fields.get(b"fp") or b""
+        return _load(data), int(fence) if fence else None, fp.decode() or None
+    if _keyspace is not None and hasattr(_keyspace, "decode_record"):
+        rec = _keyspace.decode_record(entry.value)
+        return _load(rec.data), rec.fencing_token, rec.fingerprint
+    raise AssertionError(f"unexpected record {entry!r}")  # pragma: no cover
+
+
+def _load(data: bytes) -> Any:
+    return json.loads(data) if data else None
+
+
+# -- renewal ----------------------------------------------------------------------------------
+
+
+class _RenewalNamespace:
+    """What ``guard._run_body`` sees as ``_renewal``: the process's keeper."""
+
+    def __init__(self, keeper: SimKeeper) -> None:
+        self._keeper = keeper
+        self.LeaseKeeper = _renewal.LeaseKeeper  # .stop() is the real one
+
+    def keeper(self) -> SimKeeper:
+        return self._keeper
+
+
+class SimKeeper:
+    """The keeper thread of one process, as a greenlet on the simulated clock.
+
+    It keeps the real keeper's shape (a heap of ``(due, seq, Renewal)``, one renewal at a
+    time, stopped renewals dropped when due) and calls the real ``LeaseKeeper._renew`` with
+    ``time`` bound to the process's clock, so the decision after each renewal reply (lost,
+    retry, next due) is the library's.
+    """
+
+    def __init__(self, proc: Process, renew: Callable[..., Any] | None = None) -> None:
+        self.proc = proc
+        self._cond = contextlib.nullcontext()
+        self._heap: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
+        self._wake: Any = None
+        self._running = False
+        fn = renew or rebind(_renewal.LeaseKeeper._renew, time=proc.time)
+        self._renew = types.MethodType(fn, self)
+        self._init_renewal = rebind(_renewal.Renewal.__init__, time=proc.time)
+
+    def keep(self, provider: Any, lease: Any, ttl: float, interval: float) -> Any:
+        renewal = _renewal.Renewal.__new__(_renewal.Renewal)
+        self._init_renewal(renewal, provider, lease, ttl, interval)
+        heapq.heappush(self._heap, (self.proc.monotonic() + interval, next(self._seq), renewal))
+        if not self._running:
+            self._running = True
+            self.proc.world.spawn(self.proc, self._run, "keeper")
+        elif self._wake is not None:
+            self.proc.world.unpark(self._wake, None)
+        return renewal
+
+    def _run(self) -> None:
+        from .world import _Park
+
+        world, proc, heap = self.proc.world, self.proc, self._heap
+        while True:
+            while heap and heap[0][2].cancelled:
+                heapq.heappop(heap)
+            now = proc.monotonic()
+            if heap and heap[0][0] <= now:
+                renewal = heapq.heappop(heap)[2]
+                self._renew(renewal)
+                continue
+            import greenlet
+
+            park = _Park(proc, greenlet.getcurrent())
+            self._wake = park
+            if heap:
+                world.at(
+                    world.now + (heap[0][0] - now) / proc.rate, lambda p=park: world.unpark(p, None)
+                )
+            value = world.hub.switch(park)
+            self._wake = None
+            if isinstance(value, BaseException):
+                raise value
+
+
+# -- the guard --------------------------------------------------------------------------------
+
+
+@dataclass
+class GuardConfig:
+    lock_ttl: float = 1.0
+    ttl: float = 30.0
+    fence_ttl: float = 7 * 86_400.0
+    retry_count: int = 3
+    retry_base_delay: float = 0.05
+
+
+def make_guard(
+    proc: Process,
+    client: Any,
+    cfg: GuardConfig,
+    keeper: SimKeeper,
+    store_client: Any = None,
+) -> DistributedIdempotencyGuard:
+    """A real guard on the real Redis backends over ``client``, renewing through ``keeper``.
+
+    With a ``store_client`` of its own, the store does not share the lock provider's client,
+    so the guard takes its two-step path (lock, then store), as it does for backends on two
+    servers, or clients it cannot tell are one server.
+    """
+    locks = RedisLockProvider(client, owner_id=proc.name, fence_ttl=cfg.fence_ttl)
+    store = RedisIdempotencyStore(store_client or client)
+    namespace = _RenewalNamespace(keeper)
+
+    class SimGuard(DistributedIdempotencyGuard):
+        _run_body = rebind(DistributedIdempotencyGuard._run_body, _renewal=namespace)
+
+    return SimGuard(
+        store=store,
+        lock_provider=locks,
+        ttl=cfg.ttl,
+        lock_ttl=cfg.lock_ttl,
+        retry_count=cfg.retry_count,
+        retry_base_delay=cfg.retry_base_delay,
+        clock=proc.wall,
+        sleep=proc.guard_sleep,
+        random=proc.rng.random,
+    )
+
+
+def forget(client: Any, key: str) -> bool:
+    """The explicit forget: the store's ``delete`` of the key's record."""
+    store = RedisIdempotencyStore(client)
+    return store.delete(record_key(PREFIX, key))

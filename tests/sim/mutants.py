@@ -1,0 +1,109 @@
+"""Mutants of the library's scripts and renewal, to prove the checker has teeth.
+
+Each mutant edits the library's own code as it is loaded into the simulation (the script
+text the library registers, or the source of ``LeaseKeeper._renew``), never the files on
+disk. An edit that no longer finds its target raises, so a change of the library's code
+cannot silently turn a mutant into the original.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from celery_idempotent import _redis, _renewal
+
+from . import adapter
+
+__all__ = ["MUTANTS", "Mutant"]
+
+
+@dataclass
+class Mutant:
+    name: str
+    what: str
+    script_edit: Callable[[str], str] | None = None
+    renew_edit: Callable[[str], str] | None = None
+    guard_edit: Callable[[Any], Any] | None = None
+
+    def renew(self, proc: Any) -> Any:
+        if self.renew_edit is None:
+            return None
+        return adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit, time=proc.time)
+
+    def check(self) -> None:
+        """Raise unless every edit of this mutant applies to the library's current code."""
+        if self.script_edit is not None:
+            sources = list(adapter.script_roles())
+            if all(self.script_edit(s) == s for s in sources):
+                raise ValueError(f"mutant {self.name}: its script edit matches no script")
+        if self.renew_edit is not None:
+            adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit)
+
+
+def _sub(pattern: str, repl: str, *, only: str | None = None) -> Callable[[str], str]:
+    """A script edit: ``re.sub`` on the script ``only`` (a name in ``_redis``), or on any."""
+    rx = re.compile(pattern, re.S)
+
+    def edit(src: str) -> str:
+        if only is not None and src != getattr(_redis, only, None):
+            return src
+        return rx.sub(repl, src, count=1)
+
+    return edit
+
+
+def _re(pattern: str, repl: str) -> Callable[[str], str]:
+    rx = re.compile(pattern)
+
+    def edit(src: str) -> str:
+        return rx.sub(repl, src, count=1)
+
+    return edit
+
+
+MUTANTS = [
+    Mutant(
+        "commit-without-holder-check",
+        "COMMIT writes the record and deletes the lock without checking the token",
+        script_edit=_sub(
+            r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then", "if false then", only="COMMIT"
+        ),
+    ),
+    Mutant(
+        "release-without-token-check",
+        "RELEASE deletes the lock whoever holds it",
+        script_edit=_sub(
+            r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then return 0 end",
+            "",
+            only="RELEASE",
+        ),
+    ),
+    Mutant(
+        "fence-not-floored",
+        "a fencing token is last + 1, not floored by the server's clock",
+        script_edit=_sub(
+            r"math\.max\(now, tonumber\(fv or '0'\) \+ 1\)", "tonumber(fv or '0') + 1"
+        ),
+    ),
+    Mutant(
+        "renewal-ignores-not-ours",
+        "the lease keeper keeps renewing after Redis answered 'not ours'",
+        renew_edit=_re(
+            r"if not ours:\n(\s+)renewal\.lost = True\n\s+return", r"if not ours:\n\1pass"
+        ),
+    ),
+    Mutant(
+        "commit-resend-rewrites",
+        "a commit sent again after its reply was lost writes the record again",
+        script_edit=_sub(
+            r"string\.sub\(rec, 1, #head\) == head then return 1 end",
+            "string.sub(rec, 1, #head) == head then "
+            "redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[2]) return 1 end",
+            only="COMMIT",
+        ),
+    ),
+]
+
+BY_NAME = {m.name: m for m in MUTANTS}
