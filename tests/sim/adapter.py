@@ -207,9 +207,18 @@ class _RenewalNamespace:
     def __init__(self, keeper: SimKeeper) -> None:
         self._keeper = keeper
         self.LeaseKeeper = _renewal.LeaseKeeper  # .stop() is the real one
+        self.stop = _renewal.stop  # the real ones
+        self.claim_report = _renewal.claim_report
 
     def keeper(self) -> SimKeeper:
         return self._keeper
+
+    def keep(
+        self, provider: Any, lease: Any, ttl: float, interval: float, *, label: Any = None
+    ) -> Any:
+        # The library's keep() picks a keeper (and a renewer with a connection of its own);
+        # the simulated process has one keeper, renewing through the provider's extend.
+        return self._keeper.keep(provider, lease, ttl, interval, label=label)
 
 
 class SimKeeper:
@@ -230,11 +239,17 @@ class SimKeeper:
         self._running = False
         fn = renew or rebind(_renewal.LeaseKeeper._renew, time=proc.time)
         self._renew = types.MethodType(fn, self)
+        self._lose = types.MethodType(_renewal.LeaseKeeper._lose, self)
         self._init_renewal = rebind(_renewal.Renewal.__init__, time=proc.time)
 
-    def keep(self, provider: Any, lease: Any, ttl: float, interval: float) -> Any:
+    def _log(self, level: int, msg: str, *args: Any) -> None:
+        _renewal.log.log(level, msg, *args)
+
+    def keep(
+        self, provider: Any, lease: Any, ttl: float, interval: float, *, label: Any = None
+    ) -> Any:
         renewal = _renewal.Renewal.__new__(_renewal.Renewal)
-        self._init_renewal(renewal, provider, lease, ttl, interval)
+        self._init_renewal(renewal, provider, lease, ttl, interval, None, label)
         heapq.heappush(self._heap, (self.proc.monotonic() + interval, next(self._seq), renewal))
         if not self._running:
             self._running = True
@@ -252,8 +267,10 @@ class SimKeeper:
                 heapq.heappop(heap)
             now = proc.monotonic()
             if heap and heap[0][0] <= now:
-                renewal = heapq.heappop(heap)[2]
-                self._renew(renewal)
+                due, _, renewal = heapq.heappop(heap)
+                next_due = self._renew(renewal, due)  # the real decision; None: lost
+                if next_due is not None and not renewal.cancelled:
+                    heapq.heappush(heap, (next_due, next(self._seq), renewal))
                 continue
             import greenlet
 
