@@ -304,24 +304,51 @@ class DistributedIdempotencyGuard:
             if abort is not None and abort.is_set():
                 raise IdempotencyAbortedError(key, attempts)
             attempts += 1
+            sent = self.clock()
             if self._atomic is not None:
                 claim: Claim = self._backend(
                     key, "claim", self._atomic.claim, resource, rkey, self.lock_ttl
                 )
-                if claim.lease is not None or claim.record is not None:
-                    return claim.lease, claim.record, attempts
+                lease, record = claim.lease, claim.record
             else:
                 lease = self._backend(
                     key, "lock acquire", self.lock_provider.acquire, resource, self.lock_ttl
                 )
-                if lease is not None:
-                    return lease, None, attempts
+                record = None
+            if lease is not None and not self._still_ours(key, lease, sent):
+                pass  # it ran out before its reply came: claim again (an attempt like any)
+            elif lease is not None or record is not None:
+                return lease, record, attempts
             self._emit("contention", key, attempts, started)
             if attempts >= total:
                 raise LockAcquisitionError(key, attempts)
             delay = self._backoff.delay(attempts - 1)
             if self._sleep(delay, abort):
                 raise IdempotencyAbortedError(key, attempts)
+
+    def _still_ours(self, key: str, lease: Lease, sent: float) -> bool:
+        """Whether a lease whose claim was sent at ``sent`` (guard clock) is still ours.
+
+        Its reply can come long after Redis took the lock: under gevent or eventlet a body
+        that blocks the event loop holds every other greenlet, this claim's reader included,
+        and the lease is not renewed before the guard knows it. A reply that took a renewal
+        interval or more is checked with one extend before the body may run.
+        """
+        waited = self.clock() - sent
+        if waited < self.renew_interval:
+            return True
+        ours = bool(
+            self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
+        )
+        if not ours:
+            log.warning(
+                "celery-idempotent: the claim of key #%s was answered %.2fs after it was sent, "
+                "after its %gs lease had run out: the body did not run; claiming again",
+                key_digest(key),
+                waited,
+                self.lock_ttl,
+            )
+        return ours
 
     def _replay(
         self,

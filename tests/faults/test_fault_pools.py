@@ -154,7 +154,19 @@ def chaos(pool: str, server: RedisServer, seed: int) -> dict[str, Any]:
         values: dict[int, set[tuple[str, int]]] = {}
         for n, result in results:
             if result not in pending:
-                value = result.get(timeout=5)
+                try:
+                    value = result.get(timeout=5)
+                except Exception as exc:
+                    lines = [
+                        ln
+                        for text in logs
+                        for ln in text.splitlines()
+                        if result.id in ln or " lost" in ln or "late" in ln
+                    ]
+                    pytest.fail(
+                        f"{pool}: key {n}: {exc!r}\nruns {load_runs(env.marks, env.ns).get(n)}"
+                        f"\nkills {kill_times}\n" + "\n".join(lines)
+                    )
                 values.setdefault(n, set()).add((value["exec"], value["fence"]))
         assert sorted(values) == list(range(KEYS)), f"{pool}: keys that never completed"
         split = {n: v for n, v in values.items() if len(v) != 1}
