@@ -131,8 +131,14 @@ def make_app(
         broker_transport_options={
             "visibility_timeout": visibility_timeout,
             # a short visibility timeout is only useful if unacked messages are looked at often
+            # (and a worker killed while it held the restore mutex must not stop restores for
+            # the mutex's default 300 s)
             **(
-                {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+                {
+                    "unacked_restore_interval": 1,
+                    "unacked_restore_throttle": 1,
+                    "unacked_mutex_expire": visibility_timeout,
+                }
                 if visibility_timeout < 60
                 else {}
             ),

