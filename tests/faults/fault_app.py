@@ -137,7 +137,7 @@ def make_app(
                 {
                     "unacked_restore_interval": 1,
                     "unacked_restore_throttle": 1,
-                    "unacked_mutex_expire": visibility_timeout,
+                    "unacked_mutex_expire": max(1, int(visibility_timeout)),
                 }
                 if visibility_timeout < 60
                 else {}
