@@ -21,6 +21,7 @@ from celery_idempotent.exceptions import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
@@ -42,6 +43,7 @@ from celery_idempotent.protocols import (
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 
 if TYPE_CHECKING:
+    from celery_idempotent.admin import IdempotencyStatus
     from celery_idempotent.locks.redis import RedisLockProvider
     from celery_idempotent.postgres import DjangoBackend, PostgresBackend
     from celery_idempotent.stores.redis import RedisIdempotencyStore
@@ -61,9 +63,11 @@ __all__ = [
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
     "IdempotencyError",
+    "IdempotencyKeyHeldError",
     "IdempotencyKeyMissingError",
     "IdempotencyMismatchError",
     "IdempotencyRecord",
+    "IdempotencyStatus",
     "IdempotencyStore",
     "IdempotentTask",
     "Lease",
@@ -85,6 +89,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "IdempotencyStatus": "celery_idempotent.admin",
     "RedisLockProvider": "celery_idempotent.locks.redis",
     "RedisIdempotencyStore": "celery_idempotent.stores.redis",
     "IdempotentTask": "celery_idempotent.task",

@@ -27,6 +27,7 @@ from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
     IdempotencyError,
 )
+from celery_idempotent.urls import redact
 
 if TYPE_CHECKING:
     import redis
@@ -335,19 +336,9 @@ def make_client(client: Any, url: str | None, what: str) -> redis.Redis:
         raise TypeError(f"{what}: url must be a str, not {type(url).__name__} ({url!r})")
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(
-            f"{what}: url must start with redis://, rediss:// or unix://, got {_redact(url)!r}"
+            f"{what}: url must start with redis://, rediss:// or unix://, got {redact(url)!r}"
         )
     return redis_mod.Redis.from_url(url, **CLIENT_DEFAULTS)  # type: ignore[no-any-return]
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for error messages."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
 
 
 def same_server(a: Any, b: Any) -> bool:
@@ -598,12 +589,12 @@ def sentinel_factory_from_broker(
         parts = urlsplit(part)
         if parts.scheme != "sentinel":
             raise ValueError(
-                f"broker_url mixes sentinel:// with {parts.scheme}:// URLs ({_redact(part)!r})"
+                f"broker_url mixes sentinel:// with {parts.scheme}:// URLs ({redact(part)!r})"
             )
         first = first or parts
         sentinels.append((parts.hostname or "127.0.0.1", parts.port or 26379))
     if first is None:
-        raise ValueError(f"broker_url names no Sentinel: {_redact(broker_url)!r}")
+        raise ValueError(f"broker_url names no Sentinel: {redact(broker_url)!r}")
     path = (first.path or "/").strip("/")
     try:
         db = int(path) if path else 0

@@ -52,8 +52,17 @@ from celery.bin.base import CeleryCommand
 
 from celery_idempotent import _redis, keyspace
 from celery_idempotent._health import eviction_policy, eviction_warning
+from celery_idempotent.admin import (
+    KeyInfo,
+    forget_key,
+    forget_plan,
+    format_duration,
+    held_lock_reason,
+    read_key,
+)
 from celery_idempotent.exceptions import (
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     RecordDecodeError,
 )
@@ -61,12 +70,10 @@ from celery_idempotent.keyspace import (
     HEAD_CHARS,
     MAX_READABLE_KEY,
     SHORTENED_MARK,
-    fence_name,
-    lock_name,
-    record_name,
     task_key,
 )
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
+from celery_idempotent.urls import redact
 
 if TYPE_CHECKING:
     import redis
@@ -124,224 +131,6 @@ def _decode_name(name: Any) -> str:
     return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)
 
 
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
-
-
-def _ttl(pttl: Any) -> float | None:
-    """Seconds left from a PTTL reply; ``None`` for a missing key or one without expiry."""
-    value = int(pttl)
-    return value / 1000 if value >= 0 else None
-
-
-def _int(value: Any) -> int | None:
-    text = _text(value)
-    try:
-        return int(text) if text else None
-    except ValueError:
-        return None
-
-
-def format_duration(seconds: float | None) -> str:
-    """``850ms``, ``12.3s``, ``4m05s``, ``23h59m``, ``2d03h``; ``-`` for ``None``."""
-    if seconds is None:
-        return "-"
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-# --------------------------------------------------------------------------- reading one key
-
-
-@dataclass
-class KeyInfo:
-    """What Redis holds for one idempotency key, read in one round trip (one script).
-
-    ``state`` is ``"completed"`` (a record exists), ``"in_progress"`` (no record, the lock is
-    held) or ``"absent"``. The payload is not read unless asked for (``raw``); ``size`` is its
-    length in bytes. ``last_fence`` is the highest fencing token the key's keys carry (record,
-    lock, fence key); ``fence_ttl`` the fence key's time left (it exists only while the server
-    clock is behind a token, or for up to 7 days after 0.1.0 wrote it).
-    """
-
-    key: str
-    record_name: str
-    lock_name: str
-    fence_name: str
-    record: dict[str, Any] | None
-    record_ttl: float | None
-    lock_token: str | None
-    lock_ttl: float | None
-    last_fence: int | None
-    fence_ttl: float | None
-    #: The stored record, payload included (only when read ``with_data``): the v2 string, or
-    #: the values of the v1 hash's fields.
-    raw: Any = None
-    #: The record's layout: ``"2"``, or ``"1"`` for a record written by 0.1.0.
-    layout: str | None = None
-    #: The fencing token of the lease that holds the lock now.
-    lease_fence: int | None = None
-    #: The fence key's value (``None``: there is no fence key).
-    fence_value: int | None = None
-
-    @property
-    def state(self) -> str:
-        """``"completed"``, ``"in_progress"`` or ``"absent"``."""
-        if self.record is not None:
-            return "completed"
-        if self.lock_token is not None:
-            return "in_progress"
-        return "absent"
-
-    @property
-    def holder(self) -> str | None:
-        """The owner id of the lock's holder (the token after ``@``), or ``None``."""
-        if self.lock_token is None:
-            return None
-        return keyspace.parse_lock_value(self.lock_token)[1]
-
-    def age(self, now: float) -> float | None:
-        """Seconds since the record was committed, by the committing worker's clock."""
-        at = (self.record or {}).get("committed_at")
-        # Records stamped by a custom (non-epoch) guard clock have no meaningful age.
-        if at is None or at < 1e9:
-            return None
-        return max(0.0, now - float(at))
-
-    def as_json(self, now: float) -> dict[str, Any]:
-        """A JSON-ready description (seconds as floats, ``None`` for what does not exist)."""
-        record = None
-        if self.record is not None:
-            record = {
-                "name": self.record_name,
-                **self.record,
-                "age": self.age(now),
-                "ttl": self.record_ttl,
-            }
-        return {
-            "key": self.key,
-            "task": task_of_slot(self.key),
-            "state": self.state,
-            "record": record,
-            "lock": {
-                "name": self.lock_name,
-                "held": self.lock_token is not None,
-                "holder": self.holder,
-                "ttl": self.lock_ttl,
-            },
-            "fence": {"name": self.fence_name, "last": self.last_fence, "ttl": self.fence_ttl},
-        }
-
-
-def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = False) -> KeyInfo:
-    """Read the record (without its payload unless ``with_data``), lock and fence of ``key``.
-
-    ``key`` is the namespaced key (``<task>:key:payment-42``); the names are derived as the
-    guard derives them. One script (``READ_KEY``): the three names share a hash slot, so this
-    also works on a Redis Cluster client (with any redis-py), and the view is consistent.
-    Records of layout v1 (0.1.0) are read as well.
-    """
-    rname = record_name(prefix, key)
-    lname = lock_name(prefix, key)
-    fname = fence_name(lname)
-    read = client.register_script(_redis.READ_KEY)
-    reply = read(keys=[rname, lname, fname], args=["1" if with_data else "0"])
-    kind, rec, size, rttl, token, lttl, fence, fttl = reply
-    kind = _text(kind)
-    record: dict[str, Any] | None = None
-    layout: str | None = None
-    raw: Any = None
-    if kind == "string" and rec is not None:
-        value = rec.encode("utf-8", "surrogateescape") if isinstance(rec, str) else bytes(rec)
-        try:
-            fields = keyspace.decode_record(value, rname)
-        except ValueError:
-            fields = None
-        if fields is not None:
-            layout, raw = keyspace.RECORD_VERSION, value if with_data else None
-            header = len(value) - len(fields.data)
-            record = {
-                "version": layout,
-                "content_type": _content_type(fields.serializer),
-                "encoding": _content_encoding(fields.serializer),
-                "size": int(size) - header,
-                "fingerprint": fields.fingerprint,
-                "committed_at": fields.created_at,
-                "fencing_token": fields.fencing_token,
-                "task_id": fields.task_id,
-            }
-    elif kind == "hash" and rec:
-        meta = dict(zip(keyspace.V1_RECORD_FIELDS, rec))
-        if any(v is not None for v in rec):
-            layout, raw = keyspace.V1_VERSION, list(rec) if with_data else None
-            at = _text(meta["at"])
-            try:
-                committed_at = float(at) if at else None
-            except ValueError:
-                committed_at = None
-            record = {
-                "version": _text(meta["v"]),
-                "content_type": _text(meta["ct"]),
-                "encoding": _text(meta["enc"]),
-                "size": int(size),
-                "fingerprint": _text(meta["fp"]) or None,
-                "committed_at": committed_at,
-                "fencing_token": _int(meta["fence"]),
-                "task_id": None,
-            }
-    lock_token = _text(token)
-    lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
-    fence_key = _int(fence)
-    known = [
-        f
-        for f in (fence_key, lease_fence, (record or {}).get("fencing_token"))
-        if isinstance(f, int)
-    ]
-    return KeyInfo(
-        key=key,
-        record_name=rname,
-        lock_name=lname,
-        fence_name=fname,
-        record=record,
-        record_ttl=_ttl(rttl) if record is not None else None,
-        lock_token=lock_token,
-        lock_ttl=_ttl(lttl) if token is not None else None,
-        last_fence=max(known) if known else None,
-        fence_ttl=_ttl(fttl) if fence is not None else None,
-        raw=raw,
-        layout=layout,
-        lease_fence=lease_fence,
-        fence_value=fence_key,
-    )
-
-
-def _content_type(serializer: str | None) -> str | None:
-    """kombu's content type for a serializer name, or the name itself when unknown."""
-    import kombu.serialization  # noqa: PLC0415 - the CLI has Celery, so kombu, anyway
-
-    codec = kombu.serialization.registry._encoders.get(serializer or "")
-    return codec.content_type if codec is not None else serializer
-
-
-def _content_encoding(serializer: str | None) -> str | None:
-    import kombu.serialization  # noqa: PLC0415
-
-    codec = kombu.serialization.registry._encoders.get(serializer or "")
-    return codec.content_encoding if codec is not None else None
-
-
 # --------------------------------------------------------------------------- settings
 
 
@@ -379,6 +168,9 @@ class Target:
     prefix: str
     task: Any = None
     quiet: bool = False
+    #: The PostgreSQL backend when idempotency_url is postgresql:// or django:// (``client``
+    #: is then unused; see :mod:`celery_idempotent._pgcli`).
+    postgres: Any = None
 
     def namespace(self, task_name: str) -> str:
         """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
@@ -388,7 +180,7 @@ class Target:
     @property
     def shown_url(self) -> str:
         """The URL without its password."""
-        return _redis._redact(self.url)
+        return redact(self.url)
 
     def accept(self) -> list[str]:
         """The content types a stored result may be loaded from: as ``IdempotentTask``."""
@@ -431,6 +223,21 @@ def connect(
                 f"must be a non-empty string without braces, got {prefix!r}", param_hint="--prefix"
             )
         cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
+    if cfg.in_postgres:
+        from celery_idempotent import _pgcli  # noqa: PLC0415 - psycopg only when used
+
+        conf = app.conf
+        accept = list(conf.get("result_accept_content") or conf.get("accept_content") or [])
+        return Target(
+            app=app,
+            settings=cfg,
+            client=None,  # type: ignore[arg-type]
+            url=cfg.backend_url,
+            prefix=cfg.idempotency_key_prefix,
+            task=task,
+            quiet=quiet,
+            postgres=_pgcli.backend_for(cfg, accept),
+        )
     if cfg.in_memory:
         raise click.UsageError(
             "idempotency_url is memory://: its keys live inside each worker process, where "
@@ -700,6 +507,18 @@ def inspect(
         args_json=args_json,
         kwargs_json=kwargs_json,
     )
+    if target.postgres is not None:
+        from celery_idempotent import _pgcli  # noqa: PLC0415
+
+        status = _pgcli.inspect(
+            target.postgres,
+            target.prefix,
+            nkey,
+            show_result=show_result,
+            as_json=as_json,
+            shown_url=target.shown_url,
+        )
+        ctx.exit(status)
     info = read_key(target.client, target.prefix, nkey, with_data=show_result)
     now = time.time()
     result: Any = None
@@ -834,6 +653,16 @@ def forget(
         if task_name is None:
             raise click.UsageError("pass --task NAME (every key of that task) and/or a KEY")
         target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+        if target.postgres is not None:
+            _pg_forget(
+                target,
+                target.namespace(task_name),
+                None,
+                dry_run=dry_run,
+                yes=yes,
+                as_json=as_json,
+            )
+            return
         _forget_task(
             ctx,
             target,
@@ -856,6 +685,9 @@ def forget(
         args_json=args_json,
         kwargs_json=kwargs_json,
     )
+    if target.postgres is not None:
+        _pg_forget(target, None, nkey, dry_run=dry_run, yes=yes, as_json=as_json)
+        return
     _forget_one(
         ctx,
         target,
@@ -868,14 +700,39 @@ def forget(
     )
 
 
-def _held_lock_reason(info: KeyInfo) -> str:
-    return (
-        f"the lock {info.lock_name} is held by {info.holder} (lease left "
-        f"{format_duration(info.lock_ttl)}): a delivery is running the body now, and deleting "
-        "its lock lets a duplicate run the body at the same time (the holder's result would "
-        "then not be stored: LockLostError). Wait for it to finish, or pass --force if the "
-        "holder is known to be dead (its lease expires by itself)."
-    )
+def _pg_forget(
+    target: Target,
+    namespace: str | None,
+    nkey: str | None,
+    *,
+    dry_run: bool,
+    yes: bool,
+    as_json: bool,
+) -> None:
+    """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
+    from celery_idempotent import _pgcli  # noqa: PLC0415
+
+    where = f"table {target.postgres.table} on {target.shown_url}"
+    if not dry_run and not yes and not as_json:
+        what = f"key {nkey}" if nkey is not None else f"every record of task {namespace}"
+        click.confirm(f"Delete {what} from {where}?", abort=True)
+    if nkey is not None:
+        doc = _pgcli.forget_one(target.postgres, target.prefix, nkey, dry_run=dry_run)
+        done = (
+            f"{'would delete' if dry_run else 'deleted'} key {nkey}"
+            if doc["state"] == "completed" and (dry_run or doc["deleted"])
+            else f"key {nkey} is {doc['state'].replace('_', ' ')}: nothing deleted"
+        )
+    else:
+        doc = _pgcli.forget_task(target.postgres, target.prefix, namespace or "", dry_run=dry_run)
+        verb = "would delete" if dry_run else "deleted"
+        done = f"{verb} {doc['records']} record(s) of task {namespace} from {where}"
+        if doc["held"]:
+            done += f"; {doc['held']} row(s) held by running bodies are kept"
+    if as_json:
+        _emit_json(doc)
+    else:
+        click.echo(done)
 
 
 def _forget_one(
@@ -899,20 +756,15 @@ def _forget_one(
         "deleted": [],
         "refused": None,
     }
-    plan: list[str] = []
-    if info.record is not None:
-        plan.append(info.record_name)
-    if info.lock_token is not None:
-        if not force:
-            doc["refused"] = _held_lock_reason(info)
-            if as_json:
-                _emit_json(doc)
-            else:
-                click.echo(f"refused: {doc['refused']}", err=True)
-            ctx.exit(1)
-        plan.append(info.lock_name)
-    if include_fences and info.fence_value is not None:
-        plan.append(info.fence_name)
+    try:
+        plan = forget_plan(info, force=force, include_fences=include_fences)
+    except IdempotencyKeyHeldError:
+        doc["refused"] = held_lock_reason(info, force_hint="pass --force")
+        if as_json:
+            _emit_json(doc)
+        else:
+            click.echo(f"refused: {doc['refused']}", err=True)
+        ctx.exit(1)
     if not plan:
         if as_json:
             _emit_json(doc)
@@ -935,31 +787,16 @@ def _forget_one(
             abort=True,
             err=True,
         )
-    deleted: list[str] = []
-    # One script: the lock is compared with the token that was shown (a lease taken since is
-    # someone else's and stays); a fence key is deleted only once the server clock has passed
-    # it; a fencing token ahead of the clock is kept in the fence key.
-    forget_script = target.client.register_script(_redis.FORGET)
-    gone_record, gone_lock, gone_fence = forget_script(
-        keys=[info.record_name, info.lock_name, info.fence_name],
-        args=[
-            info.lock_token or "",
-            "1" if info.lock_token is not None else "0",
-            "1" if include_fences else "0",
-        ],
+    # One script (admin.forget_key): the lock is compared with the token that was shown (a
+    # lease taken since is someone else's and stays); a fence key is deleted only once the
+    # server clock has passed it; a fencing token ahead of the clock is kept in the fence key.
+    deleted = list(
+        forget_key(target.client, info, force=force, include_fences=include_fences).deleted
     )
-    if info.record is not None and gone_record:
-        deleted.append(info.record_name)
-    if info.lock_token is not None:
-        if gone_lock:
-            deleted.append(info.lock_name)
-        else:
-            doc["lock_changed"] = True
-    if include_fences and info.fence_value is not None:
-        if gone_fence:
-            deleted.append(info.fence_name)
-        else:
-            doc["fence_kept"] = True
+    if info.lock_token is not None and info.lock_name not in deleted:
+        doc["lock_changed"] = True
+    if include_fences and info.fence_value is not None and info.fence_name not in deleted:
+        doc["fence_kept"] = True
     doc["deleted"] = deleted
     if as_json:
         _emit_json(doc)
@@ -1250,6 +1087,21 @@ def stats(
     while Redis resizes its table).
     """
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+    if target.postgres is not None:
+        from celery_idempotent import _pgcli  # noqa: PLC0415
+
+        space = None if task_name is None else target.namespace(task_name)
+        doc = _pgcli.stats(target.postgres, target.prefix, space)
+        if as_json:
+            _emit_json({**doc, "url": target.shown_url})
+            return
+        click.echo(f"table {doc['table']} (prefix {target.prefix!r}) on {target.shown_url}")
+        table = [[name, c["completed"], c["in_progress"]] for name, c in doc["tasks"].items()]
+        table.append(["TOTAL", doc["total"]["completed"], doc["total"]["in_progress"]])
+        _table(["TASK", "COMPLETED", "IN PROGRESS"], table)
+        if doc["expired"]:
+            click.echo(f"({doc['expired']} expired row(s) await the sweep)")
+        return
     per_task: dict[str, dict[str, int]] = {}
     scan = _Scan()
     namespace = None if task_name is None else target.namespace(task_name)
@@ -1288,3 +1140,15 @@ def stats(
     _table(["TASK", "COMPLETED", "IN PROGRESS"], rows)
     if other:
         click.echo(f"({other} other key(s) under the prefix are not celery-idempotent's)")
+
+
+# --------------------------------------------------------------------------- PostgreSQL DDL
+
+
+def _add_sql_command() -> None:
+    from celery_idempotent._pgcli import sql_command  # noqa: PLC0415 - no psycopg import
+
+    idempotency.add_command(sql_command)
+
+
+_add_sql_command()

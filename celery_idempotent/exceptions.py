@@ -7,6 +7,7 @@ One root, every error carrying the idempotency key it concerns::
     ├── IdempotencyAbortedError       .attempts      the abort event was set before the body ran
     ├── IdempotencyMismatchError      .stored_fingerprint, .fingerprint
     ├── IdempotencyKeyMissingError    .task, .field  a key format field (or key callable) gave None
+    ├── IdempotencyKeyHeldError       .holder, .lease_left  forget refused: a body runs now
     ├── LockLostError                 .result        body ran, lease lost: not committed
     │   └── CommitUnknownError        .result        body ran, commit sent but never confirmed
     ├── IdempotencyBackendError                      a store or lock failed (chains the cause)
@@ -29,6 +30,7 @@ __all__ = [
     "IdempotencyBackendError",
     "IdempotencyConnectionError",
     "IdempotencyError",
+    "IdempotencyKeyHeldError",
     "IdempotencyKeyMissingError",
     "IdempotencyMismatchError",
     "LockAcquisitionError",
@@ -146,6 +148,31 @@ class IdempotencyKeyMissingError(IdempotencyError):
             f"the idempotency key of task {self.task} is missing: its field {self.field!r} "
             "is None (set idempotency_missing_key='run' to run such calls unguarded)"
         )
+
+
+class IdempotencyKeyHeldError(IdempotencyError):
+    """``forget`` refused: the key's lock is held, so a delivery is running its body now.
+
+    Deleting the lock would let a duplicate run the body at the same time. ``holder`` is the
+    owner id of the lease, ``lease_left`` its seconds left. Pass ``force=True`` (the CLI's
+    ``--force``) when the holder is known to be dead; its lease also expires by itself.
+    """
+
+    def __init__(
+        self,
+        key: str | None = None,
+        holder: str | None = None,
+        lease_left: float | None = None,
+        message: str | None = None,
+    ) -> None:
+        Exception.__init__(self, key, holder, lease_left, message)
+        self.key = key
+        self.holder = holder
+        self.lease_left = lease_left
+        self.message = message
+
+    def _describe(self) -> str:
+        return f"the key's lock is held by {self.holder}: a delivery is running its body now"
 
 
 class LockLostError(IdempotencyError):

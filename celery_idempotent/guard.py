@@ -408,9 +408,10 @@ class DistributedIdempotencyGuard:
         with back-off for up to ``lock_ttl`` seconds before the outcome is reported unknown.
         """
         waited, delay = 0.0, 0.05
+        wrote: list[bool] = []  # two-step path: a record write was sent (it may have landed)
         while True:
             try:
-                ok, released = self._commit_once(key, rkey, lease, record)
+                ok, released = self._commit_once(key, rkey, lease, record, wrote)
                 break
             except IdempotencyConnectionError as exc:
                 if waited >= self.lock_ttl:
@@ -451,23 +452,52 @@ class DistributedIdempotencyGuard:
                     cause,
                 )
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
+            if wrote:
+                # Two-step path: an earlier write's reply was lost, so it may have landed even
+                # though the lease is gone now. "Not stored" would be a guess.
+                raise CommitUnknownError(
+                    key,
+                    record.result,
+                    "the lease was lost after a write of the record whose outcome is unknown: "
+                    "the result may or may not be stored; look it up before compensating",
+                )
             raise LockLostError(key, record.result, f"lease lost: {cause}; not committed")
         self._emit("committed", key, 0, started, lease.fencing_token)
         return released
 
     def _commit_once(
-        self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord
+        self,
+        key: str,
+        rkey: str,
+        lease: Lease,
+        record: IdempotencyRecord,
+        wrote: list[bool],
     ) -> tuple[bool, bool]:
-        """One commit attempt: (stored, lock released by it)."""
+        """One commit attempt: (stored, lock released by it). ``wrote`` gets an entry when the
+        two-step path sends the record (so that a resend looks before it writes again)."""
         if self._atomic is not None:
             ok = self._backend(key, "commit", self._atomic.commit, lease, rkey, record, self.ttl)
             return ok, ok
         # Two backends cannot decide atomically: prove the lease (and give it a full lock_ttl
-        # for the write) right before writing.
-        ok = self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
-        if ok:
-            self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
-        return ok, False
+        # for the write) right before writing, and write only while that proof holds.
+        proved = time.monotonic()
+        if not self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl):
+            return False, False
+        if wrote:
+            # A resend: the first write may have landed, its reply lost. Writing again would
+            # replace the record (and its TTL); look first.
+            found = self._backend(key, "store get", self.store.get, rkey)
+            if found is not None and found.fencing_token == lease.fencing_token:
+                return True, False
+        if time.monotonic() - proved >= self.lock_ttl:
+            # The proof's reply (or the look-up) came back after a whole lease: the lease may
+            # have run out since, and the write must not land after it. Prove it again.
+            raise IdempotencyConnectionError(
+                key, f"the lease proof took longer than the lease ({self.lock_ttl}s)"
+            )
+        wrote.append(True)
+        self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
+        return True, False
 
     def _release(self, key: str, lease: Lease) -> None:
         try:

@@ -69,8 +69,11 @@ recorded in the fence key until the clock has passed it:
   upgrade too.
 
 What this does not cover: a failover to a replica whose clock is behind the old master's and
-that did not receive the fence key (the same as for any write the replica did not receive), and
-deleting a fence key by hand while the clock is behind it.
+that did not receive the fence key (the same as for any write the replica did not receive),
+deleting a fence key by hand while the clock is behind it, and a clock step backwards *after*
+the last key carrying a token went away while the clock was past it (a release, a lease or
+record that expired): nothing remembers that token then, and the next one, floored by the
+clock alone, is lower (found by the deterministic simulation, ``tests/sim``).
 """
 
 from __future__ import annotations

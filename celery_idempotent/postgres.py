@@ -52,10 +52,12 @@ from celery_idempotent import _txn
 from celery_idempotent._validate import check_duration
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
+    IdempotencyKeyHeldError,
     RecordDecodeError,
     ResultEncodeError,
 )
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.urls import redact
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -230,6 +232,15 @@ class _Tx:
         self.pid: int | None = raw.info.backend_pid if raw is not None else None
 
 
+def _hold(conn: Any, delta: int) -> None:
+    """Count the guard's transaction in psycopg's own count of open transaction blocks, so
+    that ``conn.commit()`` / ``conn.rollback()`` in the body raise ``ProgrammingError`` (as
+    inside ``with conn.transaction():``) instead of ending the guard's transaction. Nested
+    ``conn.transaction()`` blocks in the body become savepoints either way."""
+    if hasattr(conn, "_num_transactions"):
+        conn._num_transactions = max(0, conn._num_transactions + delta)
+
+
 def _raw_alive(raw: Any) -> bool:
     """Whether a psycopg connection is still in its transaction, without a round trip.
 
@@ -336,7 +347,7 @@ class PostgresBackend:
             _psycopg()  # fail now, with the install line, when psycopg is missing
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({_redact(self.url or '')!r}, table={self.table!r})"
+        return f"{type(self).__name__}({redact(self.url or '')!r}, table={self.table!r})"
 
     # -- connections (psycopg) ----------------------------------------------------------------
 
@@ -430,6 +441,12 @@ class PostgresBackend:
 
     # -- the driver: begin, run, end ------------------------------------------------------------
 
+    # BEGIN, COMMIT and ROLLBACK are sent as statements, inside the pipeline with the claim or
+    # the commit: one flight each. (psycopg's Transaction block syncs the pipeline when it
+    # opens and when it closes, which costs two more round trips.) What the block would add,
+    # that the body cannot commit or roll back the guard's transaction with conn.commit() /
+    # conn.rollback(), is kept by psycopg's own transaction counter (see _hold).
+
     def _begin(
         self, key: str, statements: Sequence[tuple[str, Sequence[Any]]]
     ) -> tuple[_Tx, list[Any]]:
@@ -437,45 +454,41 @@ class PostgresBackend:
         rolled back and the error raised."""
         psycopg = _psycopg()
         conn = self._get()
-        block = conn.transaction()
         try:
-            with conn.pipeline():
-                block.__enter__()
-                results = self._queue(conn, statements)
-            return _Tx(conn, block, key, conn), [r() for r in results]
+            results = self._flight(conn, [("BEGIN", ()), *statements])[1:]
         except BaseException as exc:
-            self._abort(conn, block, exc)
+            self._end(conn, commit=False)
             if isinstance(exc, psycopg.OperationalError) and not _is_pg_error(
                 exc, _LOCK_NOT_AVAILABLE
             ):
                 raise ConnectionError(f"PostgreSQL: {exc}") from exc
             raise
+        _hold(conn, 1)
+        return _Tx(conn, True, key, conn), results
 
-    def _queue(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+    @staticmethod
+    def _flight(conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Send ``statements`` in one pipeline and return each one's rows (or row count)."""
         cursors = []
-        for sql, params in statements:
-            cur = conn.cursor()
-            cur.execute(sql, params)
-            cursors.append(cur)
+        with conn.pipeline():
+            for sql, params in statements:
+                cur = conn.cursor()
+                cur.execute(sql, params or None)
+                cursors.append(cur)
+        return [cur.rowcount if cur.description is None else cur.fetchall() for cur in cursors]
 
-        def reader(cur: Any) -> Any:
-            def read() -> Any:
-                if cur.description is None:
-                    return cur.rowcount
-                return cur.fetchall()
-
-            return read
-
-        # Results are read after the pipeline block has sent everything and synced.
-        return [reader(cur) for cur in cursors]
-
-    def _abort(self, conn: Any, block: Any, exc: BaseException) -> None:
-        """Roll back after a failure in ``block``; close the connection when that fails."""
+    def _end(self, conn: Any, *, commit: bool) -> None:
+        """ROLLBACK whatever is open (closing the connection when that fails), then pool it."""
+        psycopg = _psycopg()
         try:
-            if not conn.broken and not conn.closed:
-                block.__exit__(type(exc), exc, exc.__traceback__)
+            if (
+                not conn.closed
+                and not conn.broken
+                and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+            ):
+                conn.execute("COMMIT" if commit else "ROLLBACK")
         except Exception:
-            log.debug("rollback failed; closing the connection", exc_info=True)
+            log.debug("ending the transaction failed; closing the connection", exc_info=True)
             conn.close()
         self._put(conn)
 
@@ -485,20 +498,28 @@ class PostgresBackend:
         """Run ``statements`` in ``tx`` (and COMMIT, when asked) in one flight."""
         psycopg = _psycopg()
         conn = tx.conn
+        if commit:
+            if tx.block:
+                _hold(conn, -1)
+                tx.block = False
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+                # The body ended the guard's transaction itself (a raw COMMIT or ROLLBACK):
+                # whatever it committed is not this commit's to vouch for.
+                raise RuntimeError("the guard's transaction was ended inside the body")
+            statements = [*statements, ("COMMIT", ())]
         try:
-            with conn.pipeline():
-                results = self._queue(conn, statements)
-                if commit:
-                    tx.block.__exit__(None, None, None)
-            return [r() for r in results]
+            results = self._flight(conn, statements)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise ConnectionError(f"PostgreSQL: {exc}") from exc
             raise
+        return results[: len(results) - 1] if commit else results
 
     def _rollback(self, tx: _Tx) -> None:
-        error = _Rollback()
-        self._abort(tx.conn, tx.block, error)
+        if tx.block:
+            _hold(tx.conn, -1)
+            tx.block = False
+        self._end(tx.conn, commit=False)
 
     def _finish(self, tx: _Tx) -> None:
         self._put(tx.conn)
@@ -507,13 +528,20 @@ class PostgresBackend:
         return _raw_alive(tx.raw)
 
     def _autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        """Run ``statements`` in a transaction of their own and commit."""
-        tx, results = self._begin("", statements)
+        """Run ``statements`` in a transaction of their own and commit (one flight)."""
+        psycopg = _psycopg()
+        conn = self._get()
         try:
-            self._run(tx, [], commit=True)
-        finally:
-            self._finish(tx)
-        return results
+            results = self._flight(conn, [("BEGIN", ()), *statements, ("COMMIT", ())])
+        except BaseException as exc:
+            self._end(conn, commit=False)
+            if isinstance(exc, psycopg.OperationalError) and not _is_pg_error(
+                exc, _LOCK_NOT_AVAILABLE
+            ):
+                raise ConnectionError(f"PostgreSQL: {exc}") from exc
+            raise
+        self._put(conn)
+        return results[1:-1]
 
     def _connection_of(self, tx: _Tx) -> Any:
         return tx.conn
@@ -625,8 +653,21 @@ class PostgresBackend:
         self._autocommit([(self.sql.upsert, params)])
 
     def delete(self, key: str) -> bool:
-        """Delete ``key``'s completed record; ``True`` when there was one."""
-        return bool(self._autocommit([(self.sql.delete, (self._row(key),))])[0])
+        """Delete ``key``'s completed record; ``True`` when there was one. A row that a
+        running body's transaction holds is waited for at most ``lock_timeout``, then
+        :class:`~celery_idempotent.IdempotencyKeyHeldError` (nothing deleted)."""
+        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
+        try:
+            done = self._autocommit(
+                [(self.sql.lock_timeout, (ms,)), (self.sql.delete, (self._row(key),))]
+            )
+        except Exception as exc:
+            if _is_pg_error(exc, _LOCK_NOT_AVAILABLE):
+                raise IdempotencyKeyHeldError(
+                    key, None, None, "a running body's transaction holds the key's row"
+                ) from exc
+            raise
+        return bool(done[1])
 
     def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
         """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
@@ -938,13 +979,6 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
     ours = {k: v for k, v in query if k in _OURS}
     rest = [(k, v) for k, v in query if k not in _OURS]
     return urlunsplit(parts._replace(query=urlencode(rest))), ours
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def backend_from_url(

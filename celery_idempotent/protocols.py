@@ -63,7 +63,10 @@ class Claim(NamedTuple):
 class LockProvider(Protocol):
     """A lock whose holders prove ownership with a token.
 
-    All methods are safe to call from several threads at once.
+    All methods are safe to call from several threads at once. The guard calls only these
+    three. A provider may also offer ``is_locked(resource) -> bool`` (whether anyone holds
+    ``resource`` now): ``idempotency_status`` and the testing plugin's ``is_locked`` use it
+    when it is there, as the bundled providers do.
     """
 
     def acquire(self, resource: str, ttl: float) -> Lease | None:
@@ -74,12 +77,6 @@ class LockProvider(Protocol):
 
     def release(self, lease: Lease) -> bool:
         """Release the lock if ``lease`` still holds it; ``False`` when it is no longer ours."""
-
-    def is_locked(self, resource: str) -> bool:
-        """Whether anyone holds ``resource`` now."""
-
-    def clear(self) -> None:
-        """Drop every lock this provider manages (tests and admin tools)."""
 
 
 @runtime_checkable

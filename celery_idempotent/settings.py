@@ -14,12 +14,13 @@ import dataclasses
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from celery_idempotent import keyspace
 from celery_idempotent._validate import check_count, check_delay, check_duration
+from celery_idempotent.urls import redact
 
 __all__ = [
     "DEFAULTS",
@@ -261,7 +262,7 @@ def _validate(setting: str, value: Any, *, task_name: str) -> Any:
             raise ValueError(
                 f"{where} must be a redis://, rediss://, unix://, postgresql://, postgres://, "
                 "django://<alias> or memory:// URL, "
-                f"got {_redact(value)!r}"
+                f"got {redact(value)!r}"
             )
         return value
     if setting == "idempotency_client":
@@ -473,21 +474,6 @@ def _broker_fallback(conf: Any) -> Any:
         return factory
     raise ValueError(
         "idempotency_url is not set and broker_url "
-        f"({_redact(first) or 'unset'!r}) is not a Redis URL: set "
+        f"({redact(first) or 'unset'!r}) is not a Redis URL: set "
         "app.conf.idempotency_url = 'redis://host:6379/0' (or 'memory://' for one process)"
     )
-
-
-def _redact(url: str) -> str:
-    from celery_idempotent._redis import _redact as redact  # noqa: PLC0415
-
-    return redact(url)
-
-
-def setting_names() -> list[str]:
-    """The setting names, for documentation and tests."""
-    return list(DEFAULTS)
-
-
-#: ``(task, args, kwargs) -> str``: the shape of a callable ``idempotency_key``.
-KeyFunction = Callable[[Any, tuple[Any, ...], dict[str, Any]], str]

@@ -16,16 +16,17 @@ import random
 import string
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_idempotent import _green, signals
+from celery_idempotent import _green, admin, signals
 from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent._redis import SentinelClientFactory, import_redis, make_client
+from celery_idempotent.admin import Forgotten, IdempotencyStatus
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
     IdempotencyKeyMissingError,
@@ -48,6 +49,7 @@ from celery_idempotent.settings import (
 )
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.stores.redis import RedisIdempotencyStore
+from celery_idempotent.urls import redact
 
 __all__ = [
     "FAILURE_MARKER",
@@ -361,6 +363,21 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     f"the {KEY_HEADER!r} header must be a non-empty str, got {explicit!r}"
                 )
             return task_key(namespace, "key", explicit)
+        if cfg.idempotency_key == "task_id":
+            return task_key(namespace, "id", str(self.request.id))
+        return self._derived_key(cfg, args, kwargs, payload, fingerprint)
+
+    def _derived_key(
+        self,
+        cfg: IdempotencySettings,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        payload: Any,
+        fingerprint: str | None,
+    ) -> str:
+        """The key the ``idempotency_key`` strategy derives from the arguments (``"args"``, a
+        format string or a callable; not ``"task_id"``), without reading the request."""
+        namespace = cfg.idempotency_namespace or self.name
         strategy = cfg.idempotency_key
         if payload is None:
             payload = self._bound_arguments(args, kwargs)
@@ -377,8 +394,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return task_key(namespace, "key", key)
         if strategy == "args":
             return task_key(namespace, "args", fingerprint or fingerprint_payload(payload))
-        if strategy == "task_id":
-            return task_key(namespace, "id", str(self.request.id))
         return task_key(namespace, "key", self._format_key(strategy, payload))
 
     def idempotency_fingerprint_for(
@@ -451,6 +466,93 @@ class IdempotentTask(Task):  # type: ignore[misc]
             raise TypeError(f"{self.name}: {exc}") from exc
         bound.apply_defaults()
         return dict(bound.arguments)
+
+    # -- admin ------------------------------------------------------------------------------
+
+    def idempotency_status(
+        self,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        task_id: str | None = None,
+    ) -> IdempotencyStatus:
+        """What the store holds for one key of this task: a frozen
+        :class:`~celery_idempotent.admin.IdempotencyStatus` (state ``"completed"``,
+        ``"running"`` or ``"absent"``, task id where known, age, TTL left, fencing token,
+        fingerprint), read in one round trip, as ``celery -A proj idempotency inspect`` reads it.
+
+        The key is the one a call with ``args`` and ``kwargs`` uses (shaped like
+        ``apply_async``: ``charge.idempotency_status((42, 999))``), or ``key``, an explicit key
+        as the ``idempotency_key`` header gives it, or ``task_id`` for a task keyed by task id.
+        """
+        cfg = self.idempotency_settings()
+        nkey = self._admin_key(cfg, args, kwargs, key, task_id)
+        client = self._admin_client(cfg)
+        if client is None:
+            return admin.status_from_guard(self._guard(cfg), nkey)
+        return admin.status_of(admin.read_key(client, cfg.idempotency_key_prefix, nkey))
+
+    def idempotency_forget(
+        self,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        task_id: str | None = None,
+        force: bool = False,
+    ) -> Forgotten:
+        """Delete one key's record (named as for :meth:`idempotency_status`): its next delivery
+        runs the body again. Returns a :class:`~celery_idempotent.admin.Forgotten`.
+
+        A held lock means a delivery is running the body now: without ``force`` that raises
+        :class:`~celery_idempotent.IdempotencyKeyHeldError` and nothing is deleted; with
+        ``force`` the lock goes too, if it is still the lease that was read. The same as
+        ``celery -A proj idempotency forget`` (``--force``).
+        """
+        cfg = self.idempotency_settings()
+        nkey = self._admin_key(cfg, args, kwargs, key, task_id)
+        client = self._admin_client(cfg)
+        if client is None:
+            return admin.forget_from_guard(self._guard(cfg), nkey, force=force)
+        info = admin.read_key(client, cfg.idempotency_key_prefix, nkey)
+        return admin.forget_key(client, info, force=force)
+
+    def _admin_key(
+        self,
+        cfg: IdempotencySettings,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        key: str | None,
+        task_id: str | None,
+    ) -> str:
+        """The namespaced key that the admin methods' arguments name (never from the current
+        request: called inside a body, it must not take that delivery's header)."""
+        namespace = cfg.idempotency_namespace or self.name
+        named = [(what, value) for what, value in (("key", key), ("task_id", task_id)) if value]
+        if key is not None or task_id is not None:
+            if len(named) != 1 or args or kwargs:
+                raise TypeError(
+                    f"{self.name}: name one key: args/kwargs, key= or task_id= (got "
+                    f"args={args!r}, kwargs={kwargs!r}, key={key!r}, task_id={task_id!r})"
+                )
+            what, value = named[0]
+            if not isinstance(value, str):
+                raise TypeError(f"{what} must be a non-empty str, got {value!r}")
+            return task_key(namespace, "key" if what == "key" else "id", value)
+        if cfg.idempotency_key == "task_id":
+            raise TypeError(
+                f"{self.name} is keyed by task id (idempotency_key='task_id'): pass task_id=..."
+            )
+        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+            raise TypeError(f"args must be a tuple or list, as for apply_async, not {args!r}")
+        call_args, call_kwargs = tuple(args), dict(kwargs or {})
+        return self._derived_key(cfg, call_args, call_kwargs, None, None)
+
+    def _admin_client(self, cfg: IdempotencySettings) -> Any:
+        """The task's own Redis client (its backends'), or ``None`` for another backend."""
+        _, store = self._backends(cfg)
+        return store.client if isinstance(store, RedisIdempotencyStore) else None
 
     # -- contention -------------------------------------------------------------------------
 
@@ -558,8 +660,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
     def _failure_from(self, envelope: dict[str, Any]) -> BaseException:
         """The stored failure rebuilt as Celery's result backend rebuilds one: the same class
         with the same args; a stored name that is not an exception class is refused
-        (``SecurityError``), and nothing is imported."""
-        exc = self.backend.exception_to_python(envelope["exc"])
+        (``SecurityError``), and nothing is imported.
+
+        A class listed in ``idempotency_store_errors`` is taken from the list itself: Celery
+        looks classes up in ``sys.modules`` only, and a replay that does not run the body may
+        not have imported the module the body takes it from.
+        """
+        stored = envelope["exc"]
+        if isinstance(stored, dict):
+            wanted = (stored.get("exc_module"), stored.get("exc_type"))
+            for cls in self.idempotency_settings().idempotency_store_errors:
+                if (cls.__module__, cls.__qualname__) == wanted:
+                    message = stored.get("exc_message", ())
+                    args = message if isinstance(message, (list, tuple)) else (message,)
+                    try:
+                        return cls(*args)
+                    except Exception:  # as Celery: fall back to its own rebuild
+                        break
+        exc = self.backend.exception_to_python(stored)
         if not isinstance(exc, BaseException):  # pragma: no cover - Celery always gives one
             raise TypeError(f"stored failure of task {self.name} is not an exception: {exc!r}")
         return exc
@@ -691,11 +809,9 @@ class _KeyFormatter(string.Formatter):
 
 def _backend_label(cfg: IdempotencySettings) -> str:
     """Where a task's keys live, for the start-up log (no password)."""
-    from celery_idempotent._redis import _redact  # noqa: PLC0415 - a private helper
-
     source = cfg.idempotency_client
     if source is None:
-        return _redact(cfg.backend_url)
+        return redact(cfg.backend_url)
     label = getattr(source, "label", None)  # SentinelClientFactory (a Sentinel broker)
     if isinstance(label, str):
         return label

@@ -48,6 +48,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from celery_idempotent.urls import redact
 from example_project.processes import EmbeddedRedis, Worker, pid_alive, tail
 
 __all__ = ["main"]
@@ -221,9 +222,7 @@ def _nonnegative_int(text: str) -> int:
 def _redact(url: str | None) -> str:
     if not url:
         return ""
-    from celery_idempotent._redis import _redact as redact
-
-    return str(redact(url))
+    return redact(url)
 
 
 # ------------------------------------------------------------------------------- output

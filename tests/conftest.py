@@ -40,6 +40,8 @@ from servers import (
     supports_tls,
 )
 
+from celery_idempotent.urls import redact
+
 if TYPE_CHECKING:
     import redis
 
@@ -49,15 +51,6 @@ DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 def _strict() -> bool:
     return os.environ.get(STRICT_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for messages)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
 
 
 # --------------------------------------------------------------------------- hooks
@@ -152,7 +145,7 @@ def redis_url() -> Iterator[str]:
         try:
             client.ping()
         except redis.RedisError as exc:
-            pytest.fail(f"REDIS_URL={_redact(url)} is set but not usable: {exc!r}")
+            pytest.fail(f"REDIS_URL={redact(url)} is set but not usable: {exc!r}")
         finally:
             client.close()
         yield url
@@ -317,7 +310,7 @@ def rabbitmq_url() -> str:
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
-    reason = f"RabbitMQ not reachable at {_redact(url)}; set RABBITMQ_URL"
+    reason = f"RabbitMQ not reachable at {redact(url)}; set RABBITMQ_URL"
     try:
         with socket.create_connection((host, port), timeout=2):
             pass

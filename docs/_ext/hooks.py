@@ -78,8 +78,26 @@ def settings_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+API_MARKER = "<!-- api-reference: the rest -->"
+
+
+def undocumented_names(markdown: str) -> list[str]:
+    """Public names (``celery_idempotent.__all__``) that no ``:::`` line of a page renders."""
+    import celery_idempotent  # noqa: PLC0415
+
+    shown = set(re.findall(r"^::: celery_idempotent\.(\w+)\s*$", markdown, re.M))
+    return [
+        name for name in celery_idempotent.__all__ if name != "__version__" and name not in shown
+    ]
+
+
 def on_page_markdown(markdown: str, **_: Any) -> str:
-    """MkDocs hook: expand the settings reference where a page asks for it."""
+    """MkDocs hook: expand the settings reference, and complete the API reference with every
+    public name its page does not place itself (a name added to ``__all__`` shows up)."""
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, settings_reference())
+    if API_MARKER in markdown:
+        rest = undocumented_names(markdown)
+        block = "\n\n".join(f"::: celery_idempotent.{name}" for name in rest)
+        markdown = markdown.replace(API_MARKER, f"## More\n\n{block}" if rest else "")
     return markdown

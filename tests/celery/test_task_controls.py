@@ -7,6 +7,8 @@ real workers are in ``test_task_controls_workers.py``."""
 from __future__ import annotations
 
 import logging
+import sys
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -430,6 +432,36 @@ def test_a_stored_failure_naming_a_non_exception_is_refused(
     guard.store.set(rkey, type(stored)(planted, None, stored.created_at, 1), 60)
     result = body.apply((1,))
     assert type(result.result).__name__ == "SecurityError"
+
+
+def test_a_listed_class_is_rebuilt_even_when_its_module_is_not_imported(
+    make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay does not run the body, so the module the body imports the class from may not
+    be in ``sys.modules`` (where Celery looks): the class comes from the tuple itself."""
+    module = types.ModuleType(f"gateway_{uuid.uuid4().hex[:8]}")
+    declined = type("Declined", (Exception,), {"__module__": module.__name__})
+    module.Declined = declined  # type: ignore[attr-defined]
+    app = make_app()
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        name=name(),
+        idempotency_key="o:{order_id}",
+        idempotency_store_errors=(declined,),
+    )
+    def body(order_id: int) -> str:
+        raise declined(order_id, "no")
+
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(declined):
+        body.apply((1,), throw=True)
+    monkeypatch.delitem(sys.modules, module.__name__)
+    with pytest.raises(declined) as again:
+        body.apply((1,), throw=True)
+    assert type(again.value) is declined
+    assert again.value.args == (1, "no")
 
 
 def test_stored_failures_with_the_pickle_serializer(make_app: Callable[..., Celery]) -> None:

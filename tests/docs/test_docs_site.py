@@ -261,3 +261,19 @@ def test_the_testing_page_covers_every_fixture_and_helper() -> None:
     assert len(helpers) >= 7
     missing = [name for name in fixtures + helpers if f"`{name}" not in page]
     assert not missing, f"docs/testing.md does not describe {missing}"
+
+
+def test_the_api_reference_renders_every_public_name(site: Path, built: dict[Path, _Page]) -> None:
+    import celery_idempotent
+
+    ids = built[site.resolve() / "api.html"].ids
+    public = [name for name in celery_idempotent.__all__ if name != "__version__"]
+    missing = [name for name in public if f"celery_idempotent.{name}" not in ids]
+    assert not missing, f"the API reference does not render {missing}"
+    # A name added to __all__ without a place on the page is rendered under "More".
+    page = (DOCS / "api.md").read_text(encoding="utf-8")
+    without = page.replace("::: celery_idempotent.current_lease\n", "")
+    assert without != page
+    completed = hooks.on_page_markdown(without)
+    assert "## More\n\n::: celery_idempotent.current_lease" in completed
+    assert "## More" not in hooks.on_page_markdown(page)

@@ -4,9 +4,10 @@ Prints schedules explored, faults injected and invariant checks per second; a fa
 is replayed with its trace, shrunk to the smallest plan that still fails.
 
     python -m tests.sim --schedules 20000              # seeds 0..19999
-    python -m tests.sim --schedules 5000 --start 10**6 # other seeds
+    python -m tests.sim --schedules 5000 --start 1000000  # other seeds
     python -m tests.sim --seed 709                     # replay one seed, print its trace
     python -m tests.sim --mutant fence-not-floored     # a mutant: stops at its first failure
+    python -m tests.sim --two-step                     # the guard's two-step commit path
 """
 
 from __future__ import annotations
@@ -14,27 +15,34 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .harness import campaign, make_plan, run_plan, shrink
+from .harness import campaign, make_plan, make_two_step_plan, run_plan, shrink
 from .mutants import BY_NAME
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.sim", description=__doc__.split("\n")[0])
     parser.add_argument("--schedules", type=int, default=2000, help="how many seeds to run")
-    parser.add_argument("--start", type=lambda s: int(eval(s, {})), default=0, help="first seed")  # noqa: S307
+    parser.add_argument("--start", type=int, default=0, help="first seed")
     parser.add_argument("--seed", type=int, help="replay this one seed with its full trace")
     parser.add_argument(
         "--mutant", choices=sorted(BY_NAME), help="run a mutant of the library instead"
+    )
+    parser.add_argument(
+        "--two-step",
+        action="store_true",
+        help="the guard's two-step path (store and lock apart), without client resends and "
+        "network delays",
     )
     parser.add_argument("--no-shrink", action="store_true", help="print the unshrunk trace")
     parser.add_argument("--progress", type=int, default=0, help="print a line every N schedules")
     args = parser.parse_args(argv)
     mutant = BY_NAME[args.mutant] if args.mutant else None
+    make = make_two_step_plan if args.two_step else make_plan
     if mutant is not None:
         mutant.check()
 
     if args.seed is not None:
-        plan = make_plan(args.seed)
+        plan = make(args.seed)
         res = run_plan(plan, mutant)
         print(plan.describe())
         print(res.format_trace())
@@ -49,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 range(lo, min(lo + args.progress, seeds.stop)),
                 mutant,
                 stop_at_first=mutant is not None,
+                make=make,
             )
             total = part if total is None else _merge(total, part)
             print(
@@ -60,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
         result = total
     else:
-        result = campaign(seeds, mutant, stop_at_first=mutant is not None)
+        result = campaign(seeds, mutant, stop_at_first=mutant is not None, make=make)
     assert result is not None
     print(result.summary())
     if not result.failures:

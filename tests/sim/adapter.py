@@ -27,6 +27,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import greenlet
+
 from celery_idempotent import _redis, _renewal
 from celery_idempotent.guard import DistributedIdempotencyGuard
 from celery_idempotent.keys import lock_resource, record_key
@@ -171,6 +173,19 @@ class Layout:
             record_fp=fp,
         )
 
+    @staticmethod
+    def token_forgotten(view: KeyView, role: str) -> bool:
+        """Whether nothing at the server floors a ``role`` grant's token by the last one (then
+        only the server clock does). Layout v1: the fence key is the only floor (a claim or
+        acquire never reads the record's token). Layout v2: the lock, the fence key and, for a
+        claim (which reads the record), the record carry it; an acquire (the two-step path,
+        whose store may live elsewhere) does not see the record."""
+        if LAYOUT == "v1":
+            return view.fence_key is None
+        if role == "acquire":
+            return view.holder is None and view.fence_key is None
+        return view.holder is None and view.record_stamp is None and view.fence_key is None
+
     def grant_fence(self, view: KeyView) -> int | None:
         """The fencing token of the holder in ``view``."""
         if view.holder is not None and "/" in view.holder:
@@ -202,23 +217,29 @@ def _load(data: bytes) -> Any:
 
 
 class _RenewalNamespace:
-    """What ``guard._run_body`` sees as ``_renewal``: the process's keeper."""
+    """What ``guard._run_body`` sees as ``_renewal``: the real module, with the keeper swapped
+    for the process's :class:`SimKeeper` (both the ``keeper().keep(...)`` and the
+    ``keep(...)``/``stop(...)`` spellings of the module's API)."""
 
     def __init__(self, keeper: SimKeeper) -> None:
         self._keeper = keeper
-        self.LeaseKeeper = _renewal.LeaseKeeper  # .stop() is the real one
-        self.stop = _renewal.stop  # the real ones
-        self.claim_report = _renewal.claim_report
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_renewal, name)
 
     def keeper(self) -> SimKeeper:
         return self._keeper
 
-    def keep(
-        self, provider: Any, lease: Any, ttl: float, interval: float, *, label: Any = None
-    ) -> Any:
-        # The library's keep() picks a keeper (and a renewer with a connection of its own);
-        # the simulated process has one keeper, renewing through the provider's extend.
-        return self._keeper.keep(provider, lease, ttl, interval, label=label)
+    def keep(self, provider: Any, lease: Any, ttl: float, interval: float, **kw: Any) -> Any:
+        return self._keeper.keep(provider, lease, ttl, interval, **kw)
+
+    @staticmethod
+    def stop(renewal: Any) -> None:
+        renewal.cancelled = True
+
+
+def _params(fn: Callable[..., Any]) -> list[str]:
+    return list(inspect.signature(fn).parameters)
 
 
 class SimKeeper:
@@ -227,29 +248,49 @@ class SimKeeper:
     It keeps the real keeper's shape (a heap of ``(due, seq, Renewal)``, one renewal at a
     time, stopped renewals dropped when due) and calls the real ``LeaseKeeper._renew`` with
     ``time`` bound to the process's clock, so the decision after each renewal reply (lost,
-    retry, next due) is the library's.
+    retry, next due) is the library's. Where the provider offers a ``renewer()`` (a
+    connection of the keeper's own), the renewal goes through the library's own ``renew``
+    function over a connection of its own in the simulation.
     """
 
-    def __init__(self, proc: Process, renew: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        proc: Process,
+        renew: Callable[..., Any] | None = None,
+        connect: Callable[[float], Any] | None = None,
+    ) -> None:
         self.proc = proc
         self._cond = contextlib.nullcontext()
         self._heap: list[tuple[float, int, Any]] = []
         self._seq = itertools.count()
         self._wake: Any = None
         self._running = False
+        self._relay = False
+        self._natives = None
+        self._connect = connect  # timeout -> a client of the keeper's own
+        self.greenlet: Any = None  # the keeper's own greenlet, once started
         fn = renew or rebind(_renewal.LeaseKeeper._renew, time=proc.time)
         self._renew = types.MethodType(fn, self)
-        self._lose = types.MethodType(_renewal.LeaseKeeper._lose, self)
+        # The keeper's _renew returns the next due time (or None) in the newer keeper, and
+        # pushes the renewal back itself in the older one.
+        self._returns_due = "due" in _params(fn)
+        for helper in ("_lose", "_log"):
+            real = getattr(_renewal.LeaseKeeper, helper, None)
+            if real is not None:
+                setattr(self, helper, types.MethodType(rebind(real, time=proc.time), self))
         self._init_renewal = rebind(_renewal.Renewal.__init__, time=proc.time)
+        self._init_params = _params(_renewal.Renewal.__init__)
 
-    def _log(self, level: int, msg: str, *args: Any) -> None:
-        _renewal.log.log(level, msg, *args)
-
-    def keep(
-        self, provider: Any, lease: Any, ttl: float, interval: float, *, label: Any = None
-    ) -> Any:
+    def keep(self, provider: Any, lease: Any, ttl: float, interval: float, **kw: Any) -> Any:
         renewal = _renewal.Renewal.__new__(_renewal.Renewal)
-        self._init_renewal(renewal, provider, lease, ttl, interval, None, label)
+        if "renew" in self._init_params:
+            make = getattr(provider, "_make_renew", None)
+            renew = kw.get("renew")
+            if renew is None and make is not None and self._connect is not None:
+                renew = make(self._caller)
+            self._init_renewal(renewal, provider, lease, ttl, interval, renew, kw.get("label"))
+        else:
+            self._init_renewal(renewal, provider, lease, ttl, interval)
         heapq.heappush(self._heap, (self.proc.monotonic() + interval, next(self._seq), renewal))
         if not self._running:
             self._running = True
@@ -258,22 +299,29 @@ class SimKeeper:
             self.proc.world.unpark(self._wake, None)
         return renewal
 
+    def _caller(self, script: str, keys: list[Any], args: list[Any], timeout: float) -> Any:
+        """The keeper's own connection: one attempt, at most ``timeout`` seconds."""
+        assert self._connect is not None
+        return self._connect(timeout).register_script(script)(keys=keys, args=args)
+
     def _run(self) -> None:
         from .world import _Park
 
         world, proc, heap = self.proc.world, self.proc, self._heap
+        self.greenlet = greenlet.getcurrent()
         while True:
             while heap and heap[0][2].cancelled:
                 heapq.heappop(heap)
             now = proc.monotonic()
             if heap and heap[0][0] <= now:
                 due, _, renewal = heapq.heappop(heap)
-                next_due = self._renew(renewal, due)  # the real decision; None: lost
-                if next_due is not None and not renewal.cancelled:
-                    heapq.heappush(heap, (next_due, next(self._seq), renewal))
+                if self._returns_due:
+                    next_due = self._renew(renewal, due)
+                    if next_due is not None and not renewal.cancelled:
+                        heapq.heappush(heap, (next_due, next(self._seq), renewal))
+                else:
+                    self._renew(renewal)
                 continue
-            import greenlet
-
             park = _Park(proc, greenlet.getcurrent())
             self._wake = park
             if heap:
@@ -315,10 +363,18 @@ def make_guard(
     store = RedisIdempotencyStore(store_client or client)
     namespace = _RenewalNamespace(keeper)
 
-    class SimGuard(DistributedIdempotencyGuard):
-        _run_body = rebind(DistributedIdempotencyGuard._run_body, _renewal=namespace)
+    # Every method of the guard that reaches for the renewal module sees the simulated keeper,
+    # and every one that reads the time module reads the process's clocks.
+    swapped = {
+        name: rebind(fn, _renewal=namespace, time=proc.time)
+        for name, fn in vars(DistributedIdempotencyGuard).items()
+        if isinstance(fn, types.FunctionType) and {"_renewal", "time"} & set(fn.__code__.co_names)
+    }
+    if not swapped:
+        raise AssertionError("the guard no longer calls the renewal module: update the adapter")
+    sim_guard = type("SimGuard", (DistributedIdempotencyGuard,), swapped)
 
-    return SimGuard(
+    return sim_guard(
         store=store,
         lock_provider=locks,
         ttl=cfg.ttl,

@@ -20,9 +20,9 @@ Invariants (``Violation.rule``):
   explicit forget, or a restart that lost data.
 - ``fence``: fencing tokens strictly increase per key across all holders; the token a body
   sees is the one the server granted. The one documented exception: once no key carrying the
-  last token is left (its fence key expired after ``fence_ttl``, or a restart lost it) *and*
-  the server's clock stepped back since that token was granted, the next token is floored
-  by the clock alone and may be lower; the checker excuses exactly that combination.
+  last token is left (its fence key expired after ``fence_ttl``, or a restart lost it) while
+  the server's clock is behind that token (it stepped back), the next token is floored by the
+  clock alone and is lower; the checker excuses exactly that combination.
 - ``rerun``: a claim never takes the lease of a key whose record is live, and no body starts
   under a live lease while its key's record is live (a completed key never runs again); with
   persistence this holds across restarts.
@@ -90,8 +90,8 @@ class KeyState:
     max_fence: int = 0
     max_fence_server_us: int = 0
     clock_went_back: bool = False
-    lost_since_max: bool = False  # no key carried the highest token at some point since
-    back_since_max: bool = False  # the server clock stepped back since then
+    # per grant role: nothing floored such a grant by the highest token at some point since it
+    lost_since_max: dict[str, bool] = field(default_factory=dict)
     record_lost: bool = False  # a restart lost the key's record (it may run again)
     records: list[RecordLife] = field(default_factory=list)
     expired_stamps: set[int | None] = field(default_factory=set)
@@ -167,13 +167,14 @@ class Checker:
     def restart(self, mode: str) -> None:
         if mode != "aof":
             for ks in self.keys.values():
-                ks.lost_since_max = True
+                # (an older snapshot may bring back an older floor: as good as none)
+                ks.lost_since_max = {"claim": True, "acquire": True}
         self._diff(None, "restart", None, "data-loss" if mode != "aof" else "restart")
 
     def clock_step(self, delta: float) -> None:
         if delta < 0:
             for ks in self.keys.values():
-                ks.clock_went_back = ks.back_since_max = True
+                ks.clock_went_back = True
         self._diff(None, "clock", None, "time")
 
     # -- bodies and calls ----------------------------------------------------------------
@@ -269,8 +270,9 @@ class Checker:
             if new == old:
                 continue
             ks.view = new
-            if new.holder is None and new.record_stamp is None and new.fence_key is None:
-                ks.lost_since_max = True  # nothing at the server carries the last token now
+            for grant in ("claim", "acquire"):
+                if ks.layout.token_forgotten(new, grant):
+                    ks.lost_since_max[grant] = True  # nothing floors such a grant's token now
             # -- the lease
             if old.holder != new.holder:
                 if old.holder is not None:
@@ -350,9 +352,11 @@ class Checker:
             ks.record_lost = False
         if fence is None:
             raise self.violated("fence", f"lease on {key} granted without a fencing token")
-        if fence <= ks.max_fence and ks.lost_since_max and ks.back_since_max:
+        forgotten = ks.lost_since_max.get(role, False)
+        if fence <= ks.max_fence and forgotten and self.server.now_us() < ks.max_fence:
             # Documented: with no key left that carries the last token (expired, or lost in
-            # a restart), tokens are floored by the server clock alone, which stepped back.
+            # a restart), tokens are floored by the server clock alone, which is behind that
+            # token (it stepped back).
             self.excused_fences += 1
         elif fence <= ks.max_fence:
             raise self.violated(
@@ -361,7 +365,7 @@ class Checker:
                 "granted before",
             )
         ks.max_fence = fence
-        ks.lost_since_max = ks.back_since_max = False
+        ks.lost_since_max = {}
 
     def _record_changed(
         self, key: str, ks: KeyState, old: KeyView, new: KeyView, ctx: _Ctx

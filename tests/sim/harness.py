@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import greenlet
+
 from celery_idempotent.exceptions import (
     CommitUnknownError,
     IdempotencyConnectionError,
@@ -197,6 +199,15 @@ def make_plan(
     )
 
 
+def make_two_step_plan(seed: int) -> Plan:
+    """A plan for the guard's two-step path (store and lock apart: lock proof, then write),
+    with every fault but the two that no guard can control there: the client library's own
+    resends and network delays, either of which can deliver the write after the lease ran
+    out (see the README's Reliability section)."""
+    plan = make_plan(seed, split=True)
+    return dataclasses.replace(plan, client_retries=0, net={**plan.net, "delay": 0.0})
+
+
 @dataclass
 class Result:
     plan: Plan
@@ -234,6 +245,7 @@ class _Worker:
         self.incarnation = 0
         self.proc: Process | None = None
         self.body: Any = None
+        self.keeper: Any = None
         self.done = False
 
 
@@ -263,21 +275,27 @@ class _Run:
     # -- observer ---------------------------------------------------------------------------
 
     def _request_info(self, client: SimClient, request: tuple[str, Any]) -> tuple[str, Any]:
+        """(role, lease token) of a request, classified in the sending greenlet."""
         kind, body = request
+        if client.role is not None:  # the admin's requests (an explicit forget)
+            return client.role, None
+        w = getattr(client, "worker", None)
         if kind == "eval":
             script, keys, args = body
             role = adapter.role_of(script, self.roles)
             token = adapter.request_token(role, keys, args)
-            if token is None and role == "set_record":
-                # The two-step path writes the record on behalf of the body's lease.
-                w = getattr(client, "worker", None)
-                if w is not None and w.body is not None:
-                    token = w.body.token
-            return role, token
-        return client.role or str(body[0]).lower(), None
+            if role == "renew" and w is not None and w.keeper.greenlet is not greenlet.getcurrent():
+                role = "commit"  # the two-step commit proves its lease with an extend
+        else:
+            role, token = str(body[0]).lower(), None
+        if token is None and w is not None and w.body is not None:
+            # A plain write of the two-step path (a script or a SET, by layout) is made on
+            # behalf of the body's lease.
+            token = w.body.token
+        return role, token
 
-    def apply(self, client: SimClient, request: tuple[str, Any]) -> Any:
-        role, token = self._request_info(client, request)
+    def apply(self, client: SimClient, request: tuple[str, Any], info: tuple[str, Any]) -> Any:
+        role, token = info
         proc = client.proc.name
         self.result.requests += 1
         self.checker.now = self.world.now
@@ -304,13 +322,16 @@ class _Run:
         self._last_reply = reply
         return reply
 
-    def sending(self, client: SimClient, request: tuple[str, Any]) -> None:
-        role, token = self._request_info(client, request)
-        self.checker.before_request(client.proc.name, role, token)
+    def sending(self, client: SimClient, request: tuple[str, Any]) -> tuple[str, Any]:
+        """Called in the sending greenlet: what the request is, for the checker."""
+        info = self._request_info(client, request)
+        self.checker.before_request(client.proc.name, *info)
+        return info
 
-    def delivered(self, client: SimClient, request: tuple[str, Any], reply: Any) -> None:
-        role, token = self._request_info(client, request)
-        self.checker.reply_delivered(role, token, reply)
+    def delivered(
+        self, client: SimClient, request: tuple[str, Any], reply: Any, info: tuple[str, Any]
+    ) -> None:
+        self.checker.reply_delivered(info[0], info[1], reply)
 
     def _keyname(self, request: tuple[str, Any]) -> str:
         kind, body = request
@@ -351,7 +372,22 @@ class _Run:
             )
             store_client.worker = w
         renew = self.mutant.renew(proc) if self.mutant is not None else None
-        keeper = adapter.SimKeeper(proc, renew)
+
+        def connect(timeout: float) -> SimClient:
+            own = SimClient(
+                self.world,
+                proc,
+                self.server,
+                self.net,
+                socket_timeout=timeout,
+                retries=0,
+                observer=self,
+            )
+            own.worker = w
+            return own
+
+        keeper = adapter.SimKeeper(proc, renew, connect)
+        w.keeper = keeper
         guard = adapter.make_guard(proc, client, self.cfg, keeper, store_client)
         if self.mutant is not None and self.mutant.guard_edit is not None:
             guard = self.mutant.guard_edit(guard)
@@ -449,8 +485,8 @@ class _Run:
         if f.kind in ("pause", "crash", "partition", "skew"):
             w = self.workers[f.target]
             proc = w.proc
-            if proc is None or w.done:
-                return
+            if proc is None or proc.dead or w.done:
+                return  # not started yet, or crashed and not yet back
             if f.kind == "pause":
                 proc.frozen_until = max(proc.frozen_until, world.now + f.span)
             elif f.kind == "partition":
@@ -563,7 +599,8 @@ class _Run:
         self.result.late_starts = self.checker.late_starts
         self.result.excused_fences = self.checker.excused_fences
         self.result.reruns_after_loss = self.checker.reruns_after_loss
-        self.result.unfinished = sum(1 for w in self.workers if not w.done)
+        if self.checker.first is None:
+            self.result.unfinished = sum(1 for w in self.workers if not w.done)
         return self.result
 
     def _teardown(self) -> None:

@@ -42,14 +42,20 @@ class Mutant:
             adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit)
 
 
-def _sub(pattern: str, repl: str, *, only: str | None = None) -> Callable[[str], str]:
-    """A script edit: ``re.sub`` on the script ``only`` (a name in ``_redis``), or on any."""
-    rx = re.compile(pattern, re.S)
+def _sub(*alternatives: tuple[str, str], only: str | None = None) -> Callable[[str], str]:
+    """A script edit: the first of ``(pattern, replacement)`` that matches, applied once, to
+    the script ``only`` (a constant's name in ``_redis``) or to any. Alternatives cover the
+    script texts of both Redis layouts (v1, v2)."""
+    compiled = [(re.compile(p, re.S), r) for p, r in alternatives]
 
     def edit(src: str) -> str:
         if only is not None and src != getattr(_redis, only, None):
             return src
-        return rx.sub(repl, src, count=1)
+        for rx, repl in compiled:
+            out = rx.sub(repl, src, count=1)
+            if out != src:
+                return out
+        return src
 
     return edit
 
@@ -68,15 +74,22 @@ MUTANTS = [
         "commit-without-holder-check",
         "COMMIT writes the record and deletes the lock without checking the token",
         script_edit=_sub(
-            r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then", "if false then", only="COMMIT"
+            (r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then", "if false then"),
+            only="COMMIT",
         ),
     ),
     Mutant(
         "release-without-token-check",
         "RELEASE deletes the lock whoever holds it",
         script_edit=_sub(
-            r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then return 0 end",
-            "",
+            # v1: "if get == token then return del end return 0"
+            (
+                r"if redis\.call\('get', KEYS\[1\]\) == ARGV\[1\] then "
+                r"return (redis\.call\('del', KEYS\[1\]\)) end",
+                r"do return \1 end",
+            ),
+            # v2: "if get ~= token then return 0 end; del; ..."
+            (r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then return 0 end", ""),
             only="RELEASE",
         ),
     ),
@@ -84,21 +97,30 @@ MUTANTS = [
         "fence-not-floored",
         "a fencing token is last + 1, not floored by the server's clock",
         script_edit=_sub(
-            r"math\.max\(now, tonumber\(fv or '0'\) \+ 1\)", "tonumber(fv or '0') + 1"
+            (r"math\.max\(last \+ 1, now\)", "last + 1"),  # v1
+            (r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1)\)", r"\1"),  # v2
         ),
     ),
     Mutant(
         "renewal-ignores-not-ours",
         "the lease keeper keeps renewing after Redis answered 'not ours'",
-        renew_edit=_re(r"if not ours:\n", "if False:  # mutant: 'not ours' ignored\n"),
+        renew_edit=_re(r"if not ours:", "if False:  # mutant: 'not ours' ignored"),
     ),
     Mutant(
         "commit-resend-rewrites",
         "a commit sent again after its reply was lost writes the record again",
         script_edit=_sub(
-            r"string\.sub\(rec, 1, #head\) == head then return 1 end",
-            "string.sub(rec, 1, #head) == head then "
-            "redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[2]) return 1 end",
+            (  # v1
+                r"if fence and fence == ARGV\[9\] and ARGV\[9\] ~= '' then return 1 end",
+                "if fence and fence == ARGV[9] and ARGV[9] ~= '' then "
+                "redis.call('hset', KEYS[2], 'at', ARGV[8]) "
+                "redis.call('pexpire', KEYS[2], ARGV[2]) return 1 end",
+            ),
+            (  # v2
+                r"(if type\(rec\) == 'string' and string\.sub\(rec, 1, #head\) == head then) "
+                r"return 1 end",
+                r"\1 redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[2]) return 1 end",
+            ),
             only="COMMIT",
         ),
     ),

@@ -160,6 +160,12 @@ class SimRedis:
             b"INCR": lambda a: self._incrby([a[0], b"1"]),
             b"INCRBY": self._incrby,
             b"TYPE": self._type,
+            b"GETRANGE": self._getrange,
+            b"STRLEN": self._strlen,
+            b"APPEND": self._append,
+            b"GETDEL": self._getdel,
+            b"SETNX": lambda a: int(self._set([*a, b"NX"]) is not None),
+            b"PEXPIRETIME": self._pexpiretime,
             b"SCAN": self._scan,
             b"PING": lambda a: _Status("PONG"),
         }
@@ -445,6 +451,53 @@ class SimRedis:
         n = (0 if entry is None else _int(entry.value)) + _int(a[1])
         self._write(a[0], Entry("string", str(n).encode(), entry.expire_ms if entry else None))
         return n
+
+    def _kind(self, key: bytes) -> str | None:
+        entry = self.lookup(key)
+        return None if entry is None else entry.kind
+
+    def _getrange(self, a: list[bytes]) -> Any:
+        self._arity(a, 3)
+        entry = self._typed(a[0], "string")
+        value = b"" if entry is None else entry.value
+        start, end, n = _int(a[1]), _int(a[2]), len(value)
+        if start < 0:
+            start = max(n + start, 0)
+        if end < 0:
+            end = n + end
+        end = min(end, n - 1)
+        return b"" if start > end or n == 0 else value[start : end + 1]
+
+    def _strlen(self, a: list[bytes]) -> Any:
+        self._arity(a, 1)
+        entry = self._typed(a[0], "string")
+        return 0 if entry is None else len(entry.value)
+
+    def _append(self, a: list[bytes]) -> Any:
+        self._arity(a, 2)
+        entry = self._typed(a[0], "string")
+        if entry is None:
+            self._write(a[0], Entry("string", a[1]))
+            return len(a[1])
+        entry.value += a[1]
+        self._touch(entry)
+        return len(entry.value)
+
+    def _getdel(self, a: list[bytes]) -> Any:
+        self._arity(a, 1)
+        entry = self._typed(a[0], "string")
+        if entry is None:
+            return None
+        del self.data[a[0]]
+        self._version += 1
+        return entry.value
+
+    def _pexpiretime(self, a: list[bytes]) -> Any:
+        self._arity(a, 1)
+        entry = self.lookup(a[0])
+        if entry is None:
+            return -2
+        return -1 if entry.expire_ms is None else entry.expire_ms
 
     def _type(self, a: list[bytes]) -> Any:
         self._arity(a, 1)

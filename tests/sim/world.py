@@ -296,7 +296,7 @@ class SimClient:
         g = greenlet.getcurrent()
         park = _Park(proc, g)
         what = _describe(request)
-        self.observer.sending(self, request)
+        info = self.observer.sending(self, request)
 
         def fail(exc: BaseException) -> None:
             world.unpark(park, exc)
@@ -316,7 +316,7 @@ class SimClient:
                     )
                     return
                 try:
-                    reply: Any = self.observer.apply(self, request)
+                    reply: Any = self.observer.apply(self, request, info)
                 except CommandError as exc:
                     reply = redis.exceptions.ResponseError(str(exc))
                 if net.cut(proc, world.now) or net.rng.random() < net.p_reply_loss:
@@ -341,7 +341,7 @@ class SimClient:
         value = world.hub.switch(park)
         if isinstance(value, BaseException):
             raise value
-        self.observer.delivered(self, request, value)  # the library's code has the reply now
+        self.observer.delivered(self, request, value, info)  # the library's code has it now
         return value
 
 

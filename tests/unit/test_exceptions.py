@@ -16,6 +16,7 @@ from celery_idempotent import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     IdempotencyError,
+    IdempotencyKeyHeldError,
     IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
@@ -43,6 +44,10 @@ EXAMPLES = [
     (
         IdempotencyKeyMissingError("<callable key_fn>", task="proj.charge"),
         {"task": "proj.charge", "field": None},
+    ),
+    (
+        IdempotencyKeyHeldError("t:key:k", "host:1:ab", 2.5, "held"),
+        {"key": "t:key:k", "holder": "host:1:ab", "lease_left": 2.5, "message": "held"},
     ),
     (LockLostError("k5", {"charged": [1, 2]}), {"key": "k5", "result": {"charged": [1, 2]}}),
     (LockLostError("k5", None), {"key": "k5", "result": None}),

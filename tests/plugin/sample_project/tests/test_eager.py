@@ -48,6 +48,16 @@ def test_another_amount_for_the_same_order_is_refused(idempotency):
     assert not idempotency.is_locked(charge, (42, 999))
 
 
+def test_forgetting_a_charge_lets_it_run_again(idempotency):
+    idempotency.deliver(charge, (42, 999))
+    assert charge.idempotency_status((42, 999)).state == "completed"
+
+    charge.idempotency_forget((42, 999))  # the task's own admin API, on the test backend
+    idempotency.deliver(charge, (42, 999))
+
+    assert idempotency.executions(charge) == 2
+
+
 def test_a_receipt_is_sent_once_per_message(idempotency):
     twice = idempotency.redeliver(send_receipt, (42,))
     again = idempotency.deliver(send_receipt, (42,))  # a new message: a new key

@@ -1,0 +1,276 @@
+"""The ``celery idempotency`` commands on the PostgreSQL backend (``postgresql://``, ``django://``).
+
+``cli.py`` resolves the app's settings and the key as for Redis, then hands a
+``postgresql://`` target to the functions here. ``sql`` prints the DDL (no connection).
+
+- ``inspect``: the key's row: ``completed`` (an unexpired record), ``in progress`` (a
+  transaction holds the row: a body runs now), or ``absent``.
+- ``forget``: deletes records; a key whose row a running body holds is kept (its transaction
+  will commit or roll back by itself; ``--force`` cannot take a row lock away from a live
+  session: end that session with ``pg_terminate_backend`` if it must go).
+- ``stats``: counts completed records by task, and rows held by running bodies. A key's very
+  first run inserts its row inside its own transaction, invisible until it commits: such
+  runs are not counted as in progress.
+
+Every statement that could wait for a running body's row lock waits at most ``lock_timeout``.
+``django://`` URLs need the Django project configured (``DJANGO_SETTINGS_MODULE``), as the
+worker has it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from celery_idempotent import keyspace
+from celery_idempotent.postgres import DEFAULT_TABLE, PostgresBackend, backend_from_url, ddl
+
+__all__ = ["backend_for", "forget_one", "forget_task", "inspect", "sql_command", "stats"]
+
+
+@click.command(name="sql")
+@click.option(
+    "--table", default=None, metavar="NAME", help=f"Table name (default: {DEFAULT_TABLE})."
+)
+@click.option("--url", default=None, metavar="URL", help="Take the table name from this URL.")
+def sql_command(table: str | None, url: str | None) -> None:
+    """Print the DDL of the PostgreSQL backend's table, index and sequence.
+
+    For teams that do not let applications run DDL: run it once, then set
+    ``?table=...`` in idempotency_url if the name is not the default, and the backend finds
+    the table (it creates it on first use otherwise).
+    """
+    name = table
+    if name is None and url:
+        from celery_idempotent.postgres import _split_url  # noqa: PLC0415
+
+        name = _split_url(url)[1].get("table")
+    try:
+        click.echo(ddl(name or DEFAULT_TABLE), nl=False)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--table") from exc
+
+
+def backend_for(cfg: Any, accept: list[str]) -> PostgresBackend:
+    """The backend of the app's ``idempotency_url``, loading results with ``accept``."""
+    url: str = cfg.backend_url
+    if url.startswith("django://"):
+        import django  # noqa: PLC0415
+
+        django.setup()
+    return backend_from_url(url, accept=accept or ["json"])
+
+
+def _row_state(backend: PostgresBackend, row: str) -> tuple[list[Any] | None, bool]:
+    """(the row's fields or None, whether a transaction holds it now)."""
+    t = _table(backend)
+    fields = (
+        "state, fencing_token, fingerprint, content_type, content_encoding, octet_length(result), "
+        "created_at, extract(epoch FROM expires_at - statement_timestamp()), result"
+    )
+    rows = backend._autocommit([(f"SELECT {fields} FROM {t} WHERE key = %s", (row,))])[0]
+    held = backend.is_locked(row.replace("{", "lock:{", 1))
+    return (list(rows[0]) if rows else None), held
+
+
+def _table(backend: PostgresBackend) -> str:
+    return ".".join(f'"{part}"' for part in backend.table.split("."))
+
+
+def inspect(
+    backend: PostgresBackend,
+    prefix: str,
+    nkey: str,
+    *,
+    show_result: bool,
+    as_json: bool,
+    shown_url: str,
+) -> int:
+    """Print one key's state; returns the exit status."""
+    row = keyspace.record_name(prefix, nkey)
+    found, held = _row_state(backend, row)
+    record = None
+    if found is not None and found[0] == "completed" and float(found[7]) > 0:
+        record = found
+    state = "completed" if record is not None else "in_progress" if held else "absent"
+    now = time.time()
+    result: Any = None
+    error: str | None = None
+    if show_result and record is not None:
+        try:
+            decoded = backend._codec.decode(
+                nkey, [None, *record[2:5], record[8], record[6], record[1]]
+            )
+            result = decoded.result
+        except Exception as exc:
+            error = str(exc)
+    doc: dict[str, Any] = {
+        "key": nkey,
+        "state": state,
+        "row": row,
+        "table": backend.table,
+        "url": shown_url,
+        "record": None,
+        "held": held,
+    }
+    if record is not None:
+        created = float(record[6]) if record[6] is not None else None
+        doc["record"] = {
+            "fencing_token": record[1],
+            "fingerprint": record[2],
+            "content_type": record[3],
+            "encoding": record[4],
+            "size": record[5],
+            "committed_at": created,
+            "age": None if created is None or created < 1e9 else max(0.0, now - created),
+            "ttl": float(record[7]),
+        }
+        if show_result:
+            doc["result"] = result
+            doc["result_error"] = error
+    if as_json:
+        click.echo(json.dumps(doc, default=repr))
+    else:
+        from celery_idempotent.cli import _pairs, format_duration  # noqa: PLC0415
+
+        states = {
+            "completed": "completed",
+            "in_progress": "in progress (a transaction holds the row)",
+            "absent": "absent",
+        }
+        pairs = [("key", nkey), ("state", states[state])]
+        if record is not None:
+            rec = doc["record"]
+            pairs += [
+                ("age", format_duration(rec["age"])),
+                ("ttl left", format_duration(rec["ttl"])),
+                ("fencing token", str(rec["fencing_token"] or "-")),
+                ("fingerprint", rec["fingerprint"] or "- (stored without input)"),
+                ("result", f"{rec['content_type']}, {rec['encoding']}, {rec['size']} bytes"),
+                ("lock", "held by a running transaction" if held else "free"),
+            ]
+        pairs += [("row", row), ("table", backend.table)]
+        _pairs(pairs)
+        if show_result and record is not None:
+            click.echo("")
+            if error is not None:
+                click.echo(f"result not shown: {error}", err=True)
+            else:
+                click.echo(json.dumps(result, indent=2, default=repr))
+    return 1 if error is not None else 0
+
+
+def _lock_timeout(backend: PostgresBackend) -> tuple[str, tuple[str]]:
+    return backend.sql.lock_timeout, (f"{max(1, round(backend.lock_timeout * 1000))}ms",)
+
+
+def forget_one(
+    backend: PostgresBackend, prefix: str, nkey: str, *, dry_run: bool
+) -> dict[str, Any]:
+    """Delete one key's row unless a running body holds it."""
+    row = keyspace.record_name(prefix, nkey)
+    found, held = _row_state(backend, row)
+    doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
+    doc["state"] = "in_progress" if held else "absent" if found is None else str(found[0])
+    if held or found is None or dry_run:
+        return doc
+    t = _table(backend)
+    try:
+        deleted = backend._autocommit(
+            [_lock_timeout(backend), (f"DELETE FROM {t} WHERE key = %s", (row,))]
+        )[1]
+    except Exception as exc:
+        if "lock timeout" in str(exc):
+            doc["state"] = "in_progress"
+            return doc
+        raise
+    doc["deleted"] = int(deleted)
+    return doc
+
+
+def _like(prefix: str, namespace: str | None) -> str:
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    if namespace is None:
+        return escaped + "%"
+    ns = namespace.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "{" + ns + ":%"
+
+
+def forget_task(
+    backend: PostgresBackend, prefix: str, namespace: str, *, dry_run: bool
+) -> dict[str, Any]:
+    """Delete every record of one task's namespace; rows held by running bodies are kept."""
+    t = _table(backend)
+    like = _like(prefix, namespace)
+    if dry_run:
+        rows = backend._autocommit(
+            [
+                (f"SELECT count(*) FROM {t} WHERE key LIKE %s", (like,)),
+                (
+                    f"SELECT count(*) FROM (SELECT 1 FROM {t} WHERE key LIKE %s "
+                    "FOR UPDATE SKIP LOCKED) free",
+                    (like,),
+                ),
+            ]
+        )
+        total, free = int(rows[0][0][0]), int(rows[1][0][0])
+        return {"records": free, "held": total - free, "deleted": 0, "dry_run": True}
+    rows = backend._autocommit(
+        [
+            (f"SELECT count(*) FROM {t} WHERE key LIKE %s", (like,)),
+            (
+                f"DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} WHERE key LIKE %s "
+                "FOR UPDATE SKIP LOCKED))",
+                (like,),
+            ),
+        ]
+    )
+    total, deleted = int(rows[0][0][0]), int(rows[1])
+    return {"records": deleted, "held": total - deleted, "deleted": deleted, "dry_run": False}
+
+
+def stats(backend: PostgresBackend, prefix: str, namespace: str | None) -> dict[str, Any]:
+    """Completed records and held rows per task (one pass over the prefix's rows)."""
+    t = _table(backend)
+    like = _like(prefix, namespace)
+    rows = backend._autocommit(
+        [
+            (
+                f"SELECT key, state = 'completed' AND expires_at > statement_timestamp() "
+                f"FROM {t} WHERE key LIKE %s",
+                (like,),
+            ),
+            (f"SELECT key FROM {t} WHERE key LIKE %s FOR SHARE SKIP LOCKED", (like,)),
+        ]
+    )
+    free = {key for (key,) in rows[1]}
+    per_task: dict[str, dict[str, int]] = {}
+    other = expired = 0
+    for key, completed in rows[0]:
+        parsed = keyspace.parse_name(key, prefix)
+        task = keyspace.task_of_slot(parsed[1]) if parsed is not None else None
+        if task is None:
+            other += 1
+            continue
+        counts = per_task.setdefault(task, {"completed": 0, "in_progress": 0})
+        if key not in free:
+            counts["in_progress"] += 1
+        elif completed:
+            counts["completed"] += 1
+        else:
+            expired += 1
+    total = {
+        "completed": sum(c["completed"] for c in per_task.values()),
+        "in_progress": sum(c["in_progress"] for c in per_task.values()),
+    }
+    return {
+        "table": backend.table,
+        "prefix": prefix,
+        "total": total,
+        "tasks": dict(sorted(per_task.items())),
+        "expired": expired,
+        "other": other,
+    }

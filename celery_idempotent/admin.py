@@ -1,0 +1,441 @@
+"""Inspect and forget idempotency keys: the one admin layer of the CLI and the Python API.
+
+From Python, on any :class:`~celery_idempotent.IdempotentTask` (shaped like ``apply_async``, so
+that no parameter name of the task can collide)::
+
+    charge.idempotency_status((42, 999))              # the key a call with these arguments uses
+    charge.idempotency_status(args=(42, 999), kwargs={"currency": "EUR"})
+    charge.idempotency_status(key="payment-42")       # an explicit key (the per-call header)
+    report.idempotency_status(task_id="3f2a...")      # a task keyed by task id
+    charge.idempotency_forget((42, 999))              # its next delivery runs the body again
+
+From the shell, ``celery -A proj idempotency inspect | forget`` (:mod:`celery_idempotent.cli`)
+reads and deletes through the same functions: :func:`read_key`, :func:`status_of`,
+:func:`forget_plan` and :func:`forget_key`. Neither builds a Redis name itself.
+
+States: ``"completed"`` (a record: the result is replayed), ``"running"`` (no record, the lock
+is held: a delivery runs the body now) and ``"absent"``; ``"queued"`` is reserved for the
+publish side's marker (a layout that keeps one reports it here; layout v2 has none yet).
+Records keep the committing delivery's task id where the layout has room and the writer
+filled it (layout v2 has the field; ``None`` otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery_idempotent import _redis, keyspace
+from celery_idempotent.exceptions import IdempotencyKeyHeldError
+from celery_idempotent.keyspace import fence_name, lock_name, record_name
+
+if TYPE_CHECKING:
+    import redis
+
+    from celery_idempotent.guard import DistributedIdempotencyGuard
+
+__all__ = [
+    "STATES",
+    "Forgotten",
+    "IdempotencyStatus",
+    "KeyInfo",
+    "forget_from_guard",
+    "forget_key",
+    "forget_plan",
+    "format_duration",
+    "held_lock_reason",
+    "read_key",
+    "status_from_guard",
+    "status_of",
+]
+
+#: Every state a key can be in, as :attr:`IdempotencyStatus.state` spells it.
+STATES = ("completed", "running", "queued", "absent")
+
+
+@dataclass(frozen=True)
+class IdempotencyStatus:
+    """What the store holds for one idempotency key, read in one round trip.
+
+    ``state`` is one of :data:`STATES`. ``task_id`` is the task id of the delivery that
+    committed (or queued) the key, where the store keeps it (``None`` otherwise). ``age`` is
+    seconds since the commit, by the committing worker's clock; ``ttl`` the seconds left of
+    the record (completed), of the lease (running) or of the marker (queued). ``fencing_token``
+    is the record's, or the running lease's; ``fingerprint`` the one stored with the result
+    (``None``: stored without one). ``holder`` is the owner id of a running lease.
+    """
+
+    key: str
+    state: str
+    task_id: str | None = None
+    age: float | None = None
+    ttl: float | None = None
+    fencing_token: int | None = None
+    fingerprint: str | None = None
+    holder: str | None = None
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """What :func:`forget_key` (or ``Task.idempotency_forget``) did: ``state`` is the key's
+    state before, ``deleted`` the Redis names (or store keys) it deleted."""
+
+    key: str
+    state: str
+    deleted: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def format_duration(seconds: float | None) -> str:
+    """``850ms``, ``12.3s``, ``4m05s``, ``23h59m``, ``2d03h``; ``-`` for ``None``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
+
+
+def _ttl(pttl: Any) -> float | None:
+    """Seconds left from a PTTL reply; ``None`` for a missing key or one without expiry."""
+    value = int(pttl)
+    return value / 1000 if value >= 0 else None
+
+
+def _int(value: Any) -> int | None:
+    text = _text(value)
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------- reading one key
+
+
+@dataclass
+class KeyInfo:
+    """What Redis holds for one idempotency key, read in one round trip (one script).
+
+    ``state`` is ``"completed"`` (a record exists), ``"in_progress"`` (no record, the lock is
+    held) or ``"absent"``. The payload is not read unless asked for (``raw``); ``size`` is its
+    length in bytes. ``last_fence`` is the highest fencing token the key's keys carry (record,
+    lock, fence key); ``fence_ttl`` the fence key's time left (it exists only while the server
+    clock is behind a token, or for up to 7 days after 0.1.0 wrote it).
+    """
+
+    key: str
+    record_name: str
+    lock_name: str
+    fence_name: str
+    record: dict[str, Any] | None
+    record_ttl: float | None
+    lock_token: str | None
+    lock_ttl: float | None
+    last_fence: int | None
+    fence_ttl: float | None
+    #: The stored record, payload included (only when read ``with_data``): the v2 string, or
+    #: the values of the v1 hash's fields.
+    raw: Any = None
+    #: The record's layout: ``"2"``, or ``"1"`` for a record written by 0.1.0.
+    layout: str | None = None
+    #: The fencing token of the lease that holds the lock now.
+    lease_fence: int | None = None
+    #: The fence key's value (``None``: there is no fence key).
+    fence_value: int | None = None
+
+    @property
+    def state(self) -> str:
+        """``"completed"``, ``"in_progress"`` or ``"absent"``."""
+        if self.record is not None:
+            return "completed"
+        if self.lock_token is not None:
+            return "in_progress"
+        return "absent"
+
+    @property
+    def holder(self) -> str | None:
+        """The owner id of the lock's holder (the token after ``@``), or ``None``."""
+        if self.lock_token is None:
+            return None
+        return keyspace.parse_lock_value(self.lock_token)[1]
+
+    def age(self, now: float) -> float | None:
+        """Seconds since the record was committed, by the committing worker's clock."""
+        at = (self.record or {}).get("committed_at")
+        # Records stamped by a custom (non-epoch) guard clock have no meaningful age.
+        if at is None or at < 1e9:
+            return None
+        return max(0.0, now - float(at))
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """A JSON-ready description (seconds as floats, ``None`` for what does not exist)."""
+        record = None
+        if self.record is not None:
+            record = {
+                "name": self.record_name,
+                **self.record,
+                "age": self.age(now),
+                "ttl": self.record_ttl,
+            }
+        return {
+            "key": self.key,
+            "task": keyspace.task_of_slot(self.key),
+            "state": self.state,
+            "record": record,
+            "lock": {
+                "name": self.lock_name,
+                "held": self.lock_token is not None,
+                "holder": self.holder,
+                "ttl": self.lock_ttl,
+            },
+            "fence": {"name": self.fence_name, "last": self.last_fence, "ttl": self.fence_ttl},
+        }
+
+
+def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = False) -> KeyInfo:
+    """Read the record (without its payload unless ``with_data``), lock and fence of ``key``.
+
+    ``key`` is the namespaced key (``<task>:key:payment-42``); the names are derived as the
+    guard derives them. One script (``READ_KEY``): the three names share a hash slot, so this
+    also works on a Redis Cluster client (with any redis-py), and the view is consistent.
+    Records of layout v1 (0.1.0) are read as well.
+    """
+    rname = record_name(prefix, key)
+    lname = lock_name(prefix, key)
+    fname = fence_name(lname)
+    read = client.register_script(_redis.READ_KEY)
+    reply = read(keys=[rname, lname, fname], args=["1" if with_data else "0"])
+    kind, rec, size, rttl, token, lttl, fence, fttl = reply
+    kind = _text(kind)
+    record: dict[str, Any] | None = None
+    layout: str | None = None
+    raw: Any = None
+    if kind == "string" and rec is not None:
+        value = rec.encode("utf-8", "surrogateescape") if isinstance(rec, str) else bytes(rec)
+        try:
+            fields = keyspace.decode_record(value, rname)
+        except ValueError:
+            fields = None
+        if fields is not None:
+            layout, raw = keyspace.RECORD_VERSION, value if with_data else None
+            header = len(value) - len(fields.data)
+            record = {
+                "version": layout,
+                "content_type": _content_type(fields.serializer),
+                "encoding": _content_encoding(fields.serializer),
+                "size": int(size) - header,
+                "fingerprint": fields.fingerprint,
+                "committed_at": fields.created_at,
+                "fencing_token": fields.fencing_token,
+                "task_id": fields.task_id,
+            }
+    elif kind == "hash" and rec:
+        meta = dict(zip(keyspace.V1_RECORD_FIELDS, rec))
+        if any(v is not None for v in rec):
+            layout, raw = keyspace.V1_VERSION, list(rec) if with_data else None
+            at = _text(meta["at"])
+            try:
+                committed_at = float(at) if at else None
+            except ValueError:
+                committed_at = None
+            record = {
+                "version": _text(meta["v"]),
+                "content_type": _text(meta["ct"]),
+                "encoding": _text(meta["enc"]),
+                "size": int(size),
+                "fingerprint": _text(meta["fp"]) or None,
+                "committed_at": committed_at,
+                "fencing_token": _int(meta["fence"]),
+                "task_id": None,
+            }
+    lock_token = _text(token)
+    lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
+    fence_key = _int(fence)
+    known = [
+        f
+        for f in (fence_key, lease_fence, (record or {}).get("fencing_token"))
+        if isinstance(f, int)
+    ]
+    return KeyInfo(
+        key=key,
+        record_name=rname,
+        lock_name=lname,
+        fence_name=fname,
+        record=record,
+        record_ttl=_ttl(rttl) if record is not None else None,
+        lock_token=lock_token,
+        lock_ttl=_ttl(lttl) if token is not None else None,
+        last_fence=max(known) if known else None,
+        fence_ttl=_ttl(fttl) if fence is not None else None,
+        raw=raw,
+        layout=layout,
+        lease_fence=lease_fence,
+        fence_value=fence_key,
+    )
+
+
+def _content_type(serializer: str | None) -> str | None:
+    """kombu's content type for a serializer name, or the name itself when unknown."""
+    import kombu.serialization  # noqa: PLC0415 - the CLI has Celery, so kombu, anyway
+
+    codec = kombu.serialization.registry._encoders.get(serializer or "")
+    return codec.content_type if codec is not None else serializer
+
+
+def _content_encoding(serializer: str | None) -> str | None:
+    import kombu.serialization  # noqa: PLC0415
+
+    codec = kombu.serialization.registry._encoders.get(serializer or "")
+    return codec.content_encoding if codec is not None else None
+
+
+def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
+    """The :class:`IdempotencyStatus` of what :func:`read_key` read."""
+    now = time.time() if now is None else now
+    record = info.record
+    if record is not None:
+        return IdempotencyStatus(
+            key=info.key,
+            state="completed",
+            task_id=record.get("task_id"),
+            age=info.age(now),
+            ttl=info.record_ttl,
+            fencing_token=record["fencing_token"],
+            fingerprint=record["fingerprint"],
+            holder=info.holder,
+        )
+    if info.lock_token is not None:
+        return IdempotencyStatus(
+            key=info.key,
+            state="running",
+            ttl=info.lock_ttl,
+            fencing_token=info.lease_fence,
+            holder=info.holder,
+        )
+    return IdempotencyStatus(key=info.key, state="absent")
+
+
+# --------------------------------------------------------------------------- forgetting
+
+
+def held_lock_reason(info: KeyInfo, force_hint: str = "pass force=True") -> str:
+    """Why a held lock is not deleted without ``force`` (``force_hint``: how to force it)."""
+    return (
+        f"the lock {info.lock_name} is held by {info.holder} (lease left "
+        f"{format_duration(info.lock_ttl)}): a delivery is running the body now, and deleting "
+        "its lock lets a duplicate run the body at the same time (the holder's result would "
+        f"then not be stored: LockLostError). Wait for it to finish, or {force_hint} if the "
+        "holder is known to be dead (its lease expires by itself)."
+    )
+
+
+def forget_plan(info: KeyInfo, *, force: bool, include_fences: bool = False) -> list[str]:
+    """The Redis names :func:`forget_key` deletes for ``info``; raises
+    :class:`IdempotencyKeyHeldError` for a held lock without ``force``."""
+    plan: list[str] = []
+    if info.record is not None:
+        plan.append(info.record_name)
+    if info.lock_token is not None:
+        if not force:
+            raise IdempotencyKeyHeldError(
+                info.key, info.holder, info.lock_ttl, held_lock_reason(info)
+            )
+        plan.append(info.lock_name)
+    if include_fences and info.fence_value is not None:
+        plan.append(info.fence_name)
+    return plan
+
+
+def forget_key(
+    client: redis.Redis, info: KeyInfo, *, force: bool, include_fences: bool = False
+) -> Forgotten:
+    """Delete what :func:`forget_plan` names for ``info`` (read with :func:`read_key`).
+
+    A held lock is deleted only with ``force``, and only if it is still the lease that was
+    read (compare-and-delete on its token): a lease taken since is someone else's and stays.
+    """
+    forget_plan(info, force=force, include_fences=include_fences)
+    # One script: the lock is compared with the token that was read; a fence key goes only
+    # once the server clock has passed it (a token ahead of the clock is kept in it).
+    forget_script = client.register_script(_redis.FORGET)
+    gone_record, gone_lock, gone_fence = forget_script(
+        keys=[info.record_name, info.lock_name, info.fence_name],
+        args=[
+            info.lock_token or "",
+            "1" if info.lock_token is not None else "0",
+            "1" if include_fences else "0",
+        ],
+    )
+    deleted: list[str] = []
+    if info.record is not None and gone_record:
+        deleted.append(info.record_name)
+    if info.lock_token is not None and gone_lock:
+        deleted.append(info.lock_name)
+    if include_fences and info.fence_value is not None and gone_fence:
+        deleted.append(info.fence_name)
+    state = "running" if info.state == "in_progress" else info.state
+    return Forgotten(key=info.key, state=state, deleted=tuple(deleted))
+
+
+# --------------------------------------------------------------------------- other backends
+
+
+def status_from_guard(
+    guard: DistributedIdempotencyGuard, key: str, now: float | None = None
+) -> IdempotencyStatus:
+    """The status of ``key`` through a guard's store and lock-provider protocols, for
+    backends this module cannot read directly (``memory://``, a store of your own): no TTL
+    left, and no holder."""
+    now = time.time() if now is None else now
+    record = guard.store.get(guard.record_key(key))
+    if record is not None:
+        at = record.created_at
+        return IdempotencyStatus(
+            key=key,
+            state="completed",
+            age=max(0.0, now - at) if at >= 1e9 else None,
+            fencing_token=record.fencing_token,
+            fingerprint=record.fingerprint,
+        )
+    is_locked = getattr(guard.lock_provider, "is_locked", None)
+    if callable(is_locked) and is_locked(guard.lock_resource(key)):
+        return IdempotencyStatus(key=key, state="running")
+    return IdempotencyStatus(key=key, state="absent")
+
+
+def forget_from_guard(guard: DistributedIdempotencyGuard, key: str, *, force: bool) -> Forgotten:
+    """:func:`forget_key` through a guard's protocols: deletes the record; a held lock is
+    refused (:class:`IdempotencyKeyHeldError`), and ``force`` cannot take it from its holder
+    there (a lock provider releases only its own leases): it expires by itself."""
+    status = status_from_guard(guard, key)
+    if status.state == "running":
+        raise IdempotencyKeyHeldError(
+            key,
+            None,
+            None,
+            "the key's lock is held: a delivery is running its body now"
+            + (" (this backend cannot delete a lease it does not hold)" if force else ""),
+        )
+    if status.state != "completed":
+        return Forgotten(key=key, state=status.state)
+    name = guard.record_key(key)
+    guard.store.delete(name)
+    return Forgotten(key=key, state="completed", deleted=(name,))

