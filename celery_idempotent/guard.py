@@ -517,9 +517,7 @@ class DistributedIdempotencyGuard:
         except IdempotencyError as exc:
             if exc.key == key:
                 raise
-            args_ = list(exc.args)
-            args_[0] = key
-            raise type(exc)(*args_) from (exc.__cause__ or exc)
+            raise exc.with_key(key) from (exc.__cause__ or exc)
         except (ConnectionError, TimeoutError) as exc:
             raise IdempotencyConnectionError(key, f"{op} failed: {exc!r}") from exc
         except Exception as exc:

@@ -15,11 +15,28 @@ import inspect
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from celery_idempotent import keyspace
 from celery_idempotent._validate import check_count, check_delay, check_duration
+from celery_idempotent.setting_checks import (
+    MISSING_KEY_POLICIES,
+    ON_LOCKED_POLICIES,
+    POSTGRES_SCHEMES,
+    REDIS_SCHEMES,
+    Check,
+    check_bool,
+    check_client,
+    check_fingerprint,
+    check_key,
+    check_key_prefix,
+    check_namespace,
+    check_store_errors,
+    check_url,
+    is_client,
+    never_stored,
+    one_of,
+)
 from celery_idempotent.urls import redact
 
 __all__ = [
@@ -28,82 +45,90 @@ __all__ = [
     "IdempotencySettings",
     "clear_cache",
     "make_client_from",
+    "never_stored",
     "resolve",
+    "setting",
+    "task_option_defaults",
 ]
 
-ON_LOCKED_POLICIES = ("retry", "raise", "ignore", "reject")
-MISSING_KEY_POLICIES = ("raise", "run")
-KEY_STRATEGIES = ("args", "task_id")
-#: What follows the namespace in a task key (``<namespace>:args:<sha256>``); a namespace may not
-#: contain one, or the admin command could not tell where it ends.
-KIND_MARKERS = keyspace.KIND_MARKERS
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-#: The PostgreSQL backend's schemes (records commit in the body's transaction; see
-#: :mod:`celery_idempotent.postgres`).
-POSTGRES_SCHEMES = ("postgresql://", "postgres://", "django://")
+
+def setting(
+    default: Any, check: Check, *, nullable: bool = False, none_as_option: bool = False
+) -> Any:
+    """One setting, declared once: its default, its ``check(where, value)``, and what ``None``
+    means. ``nullable``: ``None`` is a value of its own (else it means "the default");
+    ``none_as_option``: also as a task option, whose "not set" is then :data:`NOT_SET`. Its
+    documentation is the ``#:`` comment above the field (the docs' reference is built from it).
+    """
+    metadata = {"check": check, "nullable": nullable, "none_as_option": none_as_option}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class IdempotencySettings:
     """The resolved settings for one task. Field names are the setting names."""
 
-    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``, or ``memory://``
-    #: for one process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
+    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``; ``postgresql://``
+    #: (``postgres://``) or ``django://<alias>``: PostgreSQL, where the record commits in the
+    #: body's own transaction (:mod:`celery_idempotent.postgres`); or ``memory://`` for one
+    #: process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
     #: master when it is a ``sentinel://`` URL (with ``broker_transport_options['master_name']``,
     #: as kombu reads them), else an error that says so.
-    idempotency_url: str | None = None
+    idempotency_url: str | None = setting(None, check_url, nullable=True)
     #: a ready redis-py client (``redis.Redis``, a Sentinel ``master_for`` client,
     #: ``RedisCluster``) or a callable without arguments that returns one, called once per
     #: worker process: for Sentinel and Cluster, which a URL cannot describe. Set it or
     #: ``idempotency_url``, not both (a task option beats the app's other setting).
-    idempotency_client: Any = None
+    idempotency_client: Any = setting(None, check_client, nullable=True)
     #: ``"args"``, ``"task_id"``, a format string over the bound arguments, or a callable
     #: ``(task, args, kwargs) -> str``.
-    idempotency_key: Any = "args"
+    idempotency_key: Any = setting("args", check_key)
     #: what must match between duplicates of one key: ``"args"`` (every bound argument), a
     #: tuple of argument names (only these; others, like a ``requested_at`` timestamp, may
     #: differ), a callable ``(task, args, kwargs) -> str | None`` (its string is hashed before
     #: it is stored; ``None`` skips the check for that call), or ``None`` (no check).
-    idempotency_fingerprint: Any = "args"
+    idempotency_fingerprint: Any = setting(
+        "args", check_fingerprint, nullable=True, none_as_option=True
+    )
     #: a key whose format field is ``None`` (``"user:{user_id}"`` with ``user_id=None``) or
     #: whose callable returns ``None``: ``"raise"`` (``IdempotencyKeyMissingError``, the body
     #: does not run) or ``"run"`` (run unguarded, one WARNING per call).
-    idempotency_missing_key: str = "raise"
+    idempotency_missing_key: str = setting("raise", one_of(MISSING_KEY_POLICIES))
     #: the namespace of the task's keys; ``None``: the task's name. Fix it and the keys survive
     #: a rename or a module move; two tasks share one only when both declare it (the worker
     #: warns at start otherwise).
-    idempotency_namespace: str | None = None
+    idempotency_namespace: str | None = setting(None, check_namespace, nullable=True)
     #: exception classes whose failure is stored like a result and raised again (same class,
     #: same args) to every duplicate within ``idempotency_ttl``; the body does not run again.
     #: ``Retry``, ``Ignore``, ``Reject``, time limits and this library's errors are never
     #: stored.
-    idempotency_store_errors: tuple[type[Exception], ...] = ()
+    idempotency_store_errors: tuple[type[Exception], ...] = setting((), check_store_errors)
     #: seconds a committed result is kept.
-    idempotency_ttl: float = 86_400
+    idempotency_ttl: float = setting(86_400, check_duration)
     #: lease seconds; renewed every third of it while the body runs.
-    idempotency_lock_ttl: float = 10
+    idempotency_lock_ttl: float = setting(10, check_duration)
     #: lock attempts after the first, inside one delivery.
-    idempotency_retry_count: int = 3
+    idempotency_retry_count: int = setting(3, check_count)
     #: back-off base in seconds between those attempts: ``base * 2**i + uniform(0, base)``
     #: before attempt ``i + 1``.
-    idempotency_retry_base_delay: float = 0.1
+    idempotency_retry_base_delay: float = setting(0.1, check_delay)
     #: what a delivery that finds the key still held does: ``"retry"`` (re-queue with a
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
     #: (``LockAcquisitionError``), ``"ignore"`` (Celery ``Ignore``) or ``"reject"`` (Celery
     #: ``Reject(requeue=False)``: a broker's dead-letter exchange takes the duplicate).
-    idempotency_on_locked: str = "retry"
+    idempotency_on_locked: str = setting("retry", one_of(ON_LOCKED_POLICIES))
     #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
     #: before it counts; 0: do not wait. For Sentinel setups, see "Sentinel and Redis
     #: Cluster" in the docs.
-    idempotency_wait_replicas: int = 0
+    idempotency_wait_replicas: int = setting(0, check_count)
     #: seconds ``WAIT`` may block for ``idempotency_wait_replicas`` (shorter than
     #: ``idempotency_lock_ttl``): a claim that misses its replicas is given back and the
     #: delivery re-queued; a commit is sent again until confirmed or ``lock_ttl`` passes.
-    idempotency_wait_timeout: float = 1.0
+    idempotency_wait_timeout: float = setting(1.0, check_duration)
     #: namespace of every Redis key (no braces: they are Redis Cluster hash tags).
-    idempotency_key_prefix: str = "idempotency:"
+    idempotency_key_prefix: str = setting("idempotency:", check_key_prefix)
     #: kill switch: ``False`` runs tasks plainly, without any guard.
-    idempotency_enabled: bool = True
+    idempotency_enabled: bool = setting(True, check_bool)
 
     @property
     def backend_url(self) -> str:
@@ -128,8 +153,9 @@ class IdempotencySettings:
         )
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(IdempotencySettings)}
 #: Every setting with its default, in the order of the README's table.
-DEFAULTS: Mapping[str, Any] = {f.name: f.default for f in dataclasses.fields(IdempotencySettings)}
+DEFAULTS: Mapping[str, Any] = {name: f.default for name, f in _FIELDS.items()}
 
 _cache: weakref.WeakKeyDictionary[Any, dict[str, IdempotencySettings]] = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
@@ -189,12 +215,10 @@ def resolve(app: Any, task: Any) -> IdempotencySettings:
 
 
 #: Settings whose ``None`` means something (not "use the default").
-_NULLABLE = frozenset(
-    {"idempotency_url", "idempotency_client", "idempotency_fingerprint", "idempotency_namespace"}
-)
+_NULLABLE = frozenset(name for name, f in _FIELDS.items() if f.metadata.get("nullable"))
 #: Of those, the ones whose ``None`` is also meaningful as a task option: for them the
 #: ``IdempotentTask`` class attribute is :data:`NOT_SET`, and a task's own ``None`` counts.
-_NONE_AS_OPTION = frozenset({"idempotency_fingerprint"})
+_NONE_AS_OPTION = frozenset(name for name, f in _FIELDS.items() if f.metadata.get("none_as_option"))
 
 
 def _pick_backend(values: dict[str, Any], from_task: set[str], *, task_name: str) -> None:
@@ -243,6 +267,12 @@ def _task_option(task: Any, setting: str) -> Any:
     return value
 
 
+def task_option_defaults() -> dict[str, Any]:
+    """Every setting as ``IdempotentTask`` declares it: ``None`` (use the app's setting), or
+    :data:`NOT_SET` for a setting whose ``None`` is a task's own choice."""
+    return {name: NOT_SET if name in _NONE_AS_OPTION else None for name in DEFAULTS}
+
+
 def declared_by_task(task: Any, setting: str) -> bool:
     """Whether ``task`` sets ``setting`` as its own option (not inherited from the app)."""
     unwrap = getattr(task, "_get_current_object", None)
@@ -252,92 +282,10 @@ def declared_by_task(task: Any, setting: str) -> bool:
 
 
 def _validate(setting: str, value: Any, *, task_name: str) -> Any:
-    where = f"{setting} (task {task_name})"
-    if setting == "idempotency_url":
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise TypeError(f"{where} must be a URL string, not {type(value).__name__}")
-        if not value.startswith((*REDIS_SCHEMES, *POSTGRES_SCHEMES, "memory://")):
-            raise ValueError(
-                f"{where} must be a redis://, rediss://, unix://, postgresql://, postgres://, "
-                "django://<alias> or memory:// URL, "
-                f"got {redact(value)!r}"
-            )
-        return value
-    if setting == "idempotency_client":
-        if value is None or _is_client(value) or callable(value):
-            return value
-        raise TypeError(
-            f"{where} must be a redis-py client (redis.Redis, a Sentinel master_for client, "
-            f"RedisCluster) or a callable that returns one, not {type(value).__name__}"
-        )
-    if setting == "idempotency_key":
-        if callable(value):
-            return value
-        if not isinstance(value, str) or not value:
-            raise TypeError(
-                f"{where} must be 'args', 'task_id', a format string or a callable "
-                f"(task, args, kwargs) -> str, not {value!r}"
-            )
-        return value
-    if setting == "idempotency_fingerprint":
-        return _check_fingerprint(where, value)
-    if setting == "idempotency_missing_key":
-        if value not in MISSING_KEY_POLICIES:
-            raise ValueError(
-                f"{where} must be one of {', '.join(MISSING_KEY_POLICIES)}, got {value!r}"
-            )
-        return value
-    if setting == "idempotency_namespace":
-        return _check_namespace(where, value)
-    if setting == "idempotency_store_errors":
-        return _check_store_errors(where, value)
-    if setting in ("idempotency_ttl", "idempotency_lock_ttl"):
-        return check_duration(where, value)
-    if setting in ("idempotency_retry_count", "idempotency_wait_replicas"):
-        return check_count(where, value)
-    if setting == "idempotency_wait_timeout":
-        return check_duration(where, value)
-    if setting == "idempotency_retry_base_delay":
-        return check_delay(where, value)
-    if setting == "idempotency_on_locked":
-        if value not in ON_LOCKED_POLICIES:
-            raise ValueError(
-                f"{where} must be one of {', '.join(ON_LOCKED_POLICIES)}, got {value!r}"
-            )
-        return value
-    if setting == "idempotency_key_prefix":
-        if not isinstance(value, str) or not value or "{" in value or "}" in value:
-            raise ValueError(f"{where} must be a non-empty str without braces, got {value!r}")
-        return value
-    if setting == "idempotency_enabled":
-        if not isinstance(value, bool):
-            raise TypeError(f"{where} must be True or False, got {value!r}")
-        return value
-    raise AssertionError(setting)  # pragma: no cover
-
-
-def _check_fingerprint(where: str, value: Any) -> Any:
-    if value is None or value == "args" or callable(value):
-        return value
-    if isinstance(value, str):  # a str is right, this one is not: a bad value
-        raise ValueError(  # noqa: TRY004
-            f"{where} must be 'args', a tuple of argument names, a callable "
-            f"(task, args, kwargs) -> str | None, or None, got {value!r} (for one argument "
-            f"write ({value!r},))"
-        )
-    if not isinstance(value, (tuple, list)) or not value:
-        raise TypeError(
-            f"{where} must be 'args', a non-empty tuple of argument names, a callable "
-            f"(task, args, kwargs) -> str | None, or None, not {value!r}"
-        )
-    bad = [name for name in value if not isinstance(name, str) or not name.isidentifier()]
-    if bad:
-        raise TypeError(f"{where} must name arguments with str identifiers, got {bad[0]!r}")
-    if len(set(value)) != len(value):
-        raise ValueError(f"{where} names an argument twice: {tuple(value)!r}")
-    return tuple(value)
+    check: Check | None = _FIELDS[setting].metadata.get("check")
+    if check is None:  # pragma: no cover - a field declared without setting()
+        raise TypeError(f"{setting} is declared without setting(default, check) in settings.py")
+    return check(f"{setting} (task {task_name})", value)
 
 
 def _check_fingerprint_names(task: Any, names: Any, *, task_name: str) -> None:
@@ -360,81 +308,14 @@ def _check_fingerprint_names(task: Any, names: Any, *, task_name: str) -> None:
         )
 
 
-def _check_namespace(where: str, value: Any) -> Any:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"{where} must be a non-empty str (or None: the task name), not {value!r}")
-    if "{" in value or "}" in value:
-        raise ValueError(f"{where} must not contain braces (Redis hash tags), got {value!r}")
-    marker = next((m for m in KIND_MARKERS if m in value or value.endswith(m[:-1])), None)
-    if marker is not None:
-        raise ValueError(
-            f"{where} must not contain {marker!r} (it separates the namespace from the key), "
-            f"got {value!r}"
-        )
-    return value
-
-
-def never_stored() -> tuple[type[BaseException], ...]:
-    """Exception classes that ``idempotency_store_errors`` never stores, whatever it lists:
-    Celery's control flow (``Retry``, ``Ignore``, ``Reject``), time limits, a lost worker,
-    and this library's own errors (a lock or backend failure is not the body's answer)."""
-    from billiard.exceptions import Terminated, WorkerLostError  # noqa: PLC0415
-    from celery.exceptions import (  # noqa: PLC0415
-        Ignore,
-        Reject,
-        Retry,
-        SoftTimeLimitExceeded,
-        TimeLimitExceeded,
-    )
-
-    from celery_idempotent.exceptions import IdempotencyError  # noqa: PLC0415
-
-    return (
-        Retry,
-        Ignore,
-        Reject,
-        SoftTimeLimitExceeded,
-        TimeLimitExceeded,
-        WorkerLostError,
-        Terminated,
-        IdempotencyError,
-    )
-
-
-def _check_store_errors(where: str, value: Any) -> tuple[type[Exception], ...]:
-    classes = (value,) if isinstance(value, type) else value
-    if not isinstance(classes, (tuple, list)):
-        raise TypeError(f"{where} must be a tuple of exception classes, not {value!r}")
-    excluded = never_stored()
-    for cls in classes:
-        if not isinstance(cls, type) or not issubclass(cls, Exception):
-            raise TypeError(
-                f"{where} must hold exception classes (subclasses of Exception), got {cls!r}"
-            )
-        if issubclass(cls, excluded):  # an exception class, but one that is never stored
-            raise ValueError(  # noqa: TRY004
-                f"{where} lists {cls.__module__}.{cls.__qualname__}, which is never stored: "
-                "Celery's Retry, Ignore, Reject, time limits and this library's own errors "
-                "are control flow, not the body's answer"
-            )
-    return tuple(classes)
-
-
-def _is_client(value: Any) -> bool:
-    """Whether ``value`` looks like a redis-py client (what the Redis backends call on it)."""
-    return not isinstance(value, type) and callable(getattr(value, "register_script", None))
-
-
 def make_client_from(value: Any, *, task_name: str | None = None) -> Any:
     """The client an ``idempotency_client`` setting stands for: the value itself, or what
     the callable returns (checked, with an error naming the setting)."""
     where = "idempotency_client" + (f" (task {task_name})" if task_name else "")
-    if _is_client(value):
+    if is_client(value):
         return value
     client = value()
-    if not _is_client(client):
+    if not is_client(client):
         raise TypeError(
             f"{where} returned {type(client).__name__}, not a redis-py client (redis.Redis, "
             "a Sentinel master_for client, RedisCluster)"

@@ -17,7 +17,7 @@ import string
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from celery import Task
 from celery import signals as celery_signals
@@ -40,12 +40,12 @@ from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import IdempotencyStore, LockProvider
 from celery_idempotent.settings import (
-    NOT_SET,
     IdempotencySettings,
     declared_by_task,
     make_client_from,
     never_stored,
     resolve,
+    task_option_defaults,
 )
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.stores.redis import RedisIdempotencyStore
@@ -155,24 +155,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
     """
 
     abstract = True
-    #: Task options (same names as the settings); ``None`` means "use the app's setting".
-    idempotency_url: ClassVar[str | None] = None
-    idempotency_client: ClassVar[Any] = None
-    idempotency_key: ClassVar[Any] = None
-    #: ``NOT_SET``, not ``None``: a task's own ``idempotency_fingerprint=None`` means "no check".
-    idempotency_fingerprint: ClassVar[Any] = NOT_SET
-    idempotency_missing_key: ClassVar[str | None] = None
-    idempotency_namespace: ClassVar[str | None] = None
-    idempotency_store_errors: ClassVar[Any] = None
-    idempotency_ttl: ClassVar[Any] = None
-    idempotency_lock_ttl: ClassVar[Any] = None
-    idempotency_retry_count: ClassVar[int | None] = None
-    idempotency_retry_base_delay: ClassVar[Any] = None
-    idempotency_on_locked: ClassVar[str | None] = None
-    idempotency_wait_replicas: ClassVar[int | None] = None
-    idempotency_wait_timeout: ClassVar[Any] = None
-    idempotency_key_prefix: ClassVar[str | None] = None
-    idempotency_enabled: ClassVar[bool | None] = None
+    # Every setting is also a task option of the same name, set on this class below from the
+    # settings' declarations (settings.task_option_defaults).
 
     # -- the call ---------------------------------------------------------------------------
 
@@ -772,6 +756,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
             fencing_token=event.fencing_token,
             **extra,
         )
+
+
+# Task options (same names as the settings): ``None`` means "use the app's setting"; ``NOT_SET``
+# where a task's own ``None`` means something (``idempotency_fingerprint=None``: no check).
+for _option, _unset in task_option_defaults().items():
+    setattr(IdempotentTask, _option, _unset)
 
 
 def _hashes_args(cfg: IdempotencySettings) -> bool:

@@ -320,8 +320,10 @@ class Checker:
             lease = self.leases[new.holder]
             # An older snapshot brings a lease back; so does a clock step back for a lease
             # whose time had come but that Redis had not deleted yet (nobody took the key
-            # since: a claim would have deleted it).
-            if cause == "data-loss" or (cause == "time" and lease.ended == "expired"):
+            # since: a claim would have deleted it), an expired copy from a snapshot too.
+            if cause == "data-loss" or (
+                cause == "time" and lease.ended in ("expired", "data-loss")
+            ):
                 lease.ended = None
                 return
             if cause != "request" or lease.ended is None:

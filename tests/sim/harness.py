@@ -87,7 +87,8 @@ class Plan:
         return (
             sum(len(w) for w in self.workers)
             + len(self.faults)
-            + sum(1 for v in self.net.values() if v)
+            + self.keys
+            + sum(1 for k, v in self.net.items() if v and k != "max_delay")
         )
 
     def describe(self) -> str:
@@ -327,6 +328,11 @@ class _Run:
         info = self._request_info(client, request)
         self.checker.before_request(client.proc.name, *info)
         return info
+
+    def describe(self, request: tuple[str, Any], info: tuple[str, Any]) -> str:
+        """A request as the trace names it: its role, key and lease."""
+        role, token = info
+        return f"{role} {self._keyname(request)} {short(token) if token else ''}".rstrip()
 
     def delivered(
         self, client: SimClient, request: tuple[str, Any], reply: Any, info: tuple[str, Any]
@@ -588,7 +594,10 @@ class _Run:
         except Exception as exc:  # the library raised what no rule expects, or a harness bug
             import traceback
 
-            self.checker.violated("error", "".join(traceback.format_exception(exc)).strip())
+            self.checker.violated(
+                "error",
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).strip(),
+            )
         finally:
             self._teardown()
         if self.checker.first is not None:
@@ -680,8 +689,28 @@ def _smaller(plan: Plan) -> Any:
                 new = [list(c) for c in plan.workers]
                 del new[wi][ci]
                 yield dataclasses.replace(plan, workers=new)
+    for k, v in plan.net.items():
+        if v > 0.01 and k not in ("max_delay",):
+            yield dataclasses.replace(plan, net={**plan.net, k: round(v / 4, 4)})
+    if plan.keys > 1:
+        for key in range(plan.keys):
+            workers = [
+                [dataclasses.replace(c, key=c.key - (c.key > key)) for c in calls if c.key != key]
+                for calls in plan.workers
+            ]
+            if all(workers):
+                faults = [
+                    dataclasses.replace(f, target=f.target - (f.target > key))
+                    if f.kind == "forget"
+                    else f
+                    for f in plan.faults
+                    if not (f.kind == "forget" and f.target == key)
+                ]
+                yield dataclasses.replace(plan, keys=plan.keys - 1, workers=workers, faults=faults)
     if plan.client_retries:
         yield dataclasses.replace(plan, client_retries=0)
+    if plan.socket_timeout > 0.25:
+        yield dataclasses.replace(plan, socket_timeout=0.25)
     for wi, calls in enumerate(plan.workers):
         for ci, c in enumerate(calls):
             if c.fails:

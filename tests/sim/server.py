@@ -613,4 +613,5 @@ class SimRedis:
             self.data = {}
         elif mode == "snapshot":
             self.data = copy.deepcopy(self.snapshots[snapshot_index][1]) if self.snapshots else {}
+            self.active_expire()  # a master loading an RDB file skips the keys already expired
         self.up = True

@@ -7,8 +7,6 @@ shrunk trace; a seed replays exactly. ``python -m tests.sim --schedules N`` runs
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from .harness import campaign, make_plan, make_two_step_plan, run_plan, shrink
@@ -22,8 +20,9 @@ CI_TWO_STEP_SCHEDULES = 1500
 #: Seeds that once exercised a hard corner (kept so that the corner stays covered):
 #: 79: a renewal's request delayed in the network is applied after the client resent it;
 #: 709: a claim's reply arrives after its lease expired while another holder runs;
-#: 2792: a restart without persistence after a server clock step back (fence floor).
-REGRESSION_SEEDS = (20, 62, 79, 709, 771, 2792)
+#: 2792: a restart without persistence after a server clock step back (fence floor);
+#: 93671: an older snapshot brings back an expired lease, which a clock step back revives.
+REGRESSION_SEEDS = (20, 62, 79, 709, 771, 2792, 93671)
 
 
 def _report(res: object) -> str:
@@ -36,7 +35,6 @@ def _report(res: object) -> str:
 
 
 def test_campaign_holds_every_invariant() -> None:
-    started = time.process_time()
     result = campaign(range(CI_SCHEDULES))
     print(result.summary())
     assert result.schedules == CI_SCHEDULES
@@ -59,7 +57,6 @@ def test_campaign_holds_every_invariant() -> None:
     # A restart without persistence does what the README says it can: keys run again.
     assert result.reruns_after_loss > 0
     assert result.unfinished == 0
-    assert time.process_time() - started < 120  # a runaway guard, not a speed claim
 
 
 #: Two-step path seeds that found real bugs, fixed in the guard's commit:

@@ -295,8 +295,8 @@ class SimClient:
             raise Killed
         g = greenlet.getcurrent()
         park = _Park(proc, g)
-        what = _describe(request)
         info = self.observer.sending(self, request)
+        what = self.observer.describe(request, info) if self.world.tracing else ""
 
         def fail(exc: BaseException) -> None:
             world.unpark(park, exc)
@@ -355,10 +355,3 @@ class _Script:
 
     def __call__(self, keys: Any = (), args: Any = (), client: Any = None) -> Any:
         return (client or self.client)._call(("eval", (self.script, list(keys), list(args))))
-
-
-def _describe(request: tuple[str, Any]) -> str:
-    kind, body = request
-    if kind == "cmd":
-        return " ".join(str(a) for a in body[:2])
-    return "script"
