@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from celery.bin.base import CeleryCommand
 
+from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import (
     DEFAULT_BATCH,
     common_options,
@@ -74,11 +75,13 @@ def stats(
         "completed": sum(c["completed"] for c in per_task.values()),
         "in_progress": sum(c["in_progress"] for c in per_task.values()),
     }
+    policy, policy_error = eviction_policy(target.client)
     if as_json:
         emit_json(
             {
                 "prefix": target.prefix,
                 "url": target.shown_url,
+                "maxmemory_policy": policy,
                 "total": total,
                 "tasks": dict(sorted(per_task.items())),
                 "other": other,
@@ -86,7 +89,12 @@ def stats(
             }
         )
         return
-    click.echo(f"prefix {target.prefix!r} on {target.shown_url}")
+    click.echo(
+        f"prefix {target.prefix!r} on {target.shown_url}, maxmemory-policy {policy or 'unknown'}"
+    )
+    warning = eviction_warning(target.shown_url, policy, policy_error)
+    if warning is not None:
+        click.echo(f"WARNING: {warning}", err=True)
     rows = [[name, c["completed"], c["in_progress"]] for name, c in sorted(per_task.items())]
     rows.append(["TOTAL", total["completed"], total["in_progress"]])
     print_table(["TASK", "COMPLETED", "IN PROGRESS"], rows)
