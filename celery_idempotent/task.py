@@ -471,6 +471,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         if decision.action == "publish":
             marker = None if decision.unchecked else (store, record)
             return _PublishPlan(task_id=task_id, marker=marker)
+        if decision.action == "completed" and decision.task_id == task_id:
+            # The very call that completed, sent again with its task id: it goes through, as
+            # it does while queued (the worker replays it); no marker over the record.
+            return _PublishPlan(task_id=task_id)
         return _PublishPlan(result=self._duplicate_publish(policy, key, fingerprint, decision))
 
     def _duplicate_publish(

@@ -144,6 +144,11 @@ def test_ten_publishes_make_one_message_one_execution_then_replays_at_publish(
         time.sleep(0.3)
         assert queued(pub) == before
         assert pub.count("charge", t) == 1
+        # The first call re-sent with its own task id goes through, completed or not.
+        resent = pub.charge.apply_async((t, 5), task_id=first.id)
+        assert not isinstance(resent, EagerResult)  # published, not answered at once
+        assert resent.get(timeout=TIMEOUT) == value
+        assert pub.count("charge", t) == 1  # replayed by the worker
 
         # The same key with other arguments fails at the caller, queued or completed.
         order = tag()
