@@ -445,6 +445,10 @@ class IdempotentTask(Task):  # type: ignore[misc]
         task_id = str(task_id) if task_id else uuid()
         if not keyspace.can_mark(task_id):
             return _PublishPlan()
+        if self.request_stack is None:  # a task class Celery bound as already bound
+            from celery.utils.threads import LocalStack  # noqa: PLC0415 - as Task.bind does
+
+            type(self).request_stack = LocalStack()
         self.push_request(id=task_id, headers=headers, eta=options.get("eta"))
         try:
             prepared = self._prepare_call(cfg, tuple(args or ()), dict(kwargs or {}))
