@@ -55,7 +55,7 @@ class FlightCounter:
     client sends after an answer was delivered to it.
     """
 
-    def __init__(self, host: str, port: int, delay: float = 0.003) -> None:
+    def __init__(self, host: str, port: int, delay: float = 0.02) -> None:
         self.target = (host, port)
         self.delay = delay
         self.listener = socket.create_server(("127.0.0.1", 0))

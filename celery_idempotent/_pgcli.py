@@ -1,6 +1,6 @@
 """The ``celery idempotency`` commands on the PostgreSQL backend (``postgresql://``, ``django://``).
 
-``cli.py`` resolves the app's settings and the key as for Redis, then hands a
+``celery_idempotent.cli`` resolves the app's settings and the key as for Redis, then hands a
 ``postgresql://`` target to the functions here. ``sql`` prints the DDL (no connection).
 
 - ``inspect``: the key's row: ``completed`` (an unexpired record), ``in progress`` (a
@@ -134,7 +134,8 @@ def inspect(
     if as_json:
         click.echo(json.dumps(doc, default=repr))
     else:
-        from celery_idempotent.cli import _pairs, format_duration  # noqa: PLC0415
+        from celery_idempotent.admin import format_duration  # noqa: PLC0415
+        from celery_idempotent.cli.common import print_pairs  # noqa: PLC0415
 
         states = {
             "completed": "completed",
@@ -153,7 +154,7 @@ def inspect(
                 ("lock", "held by a running transaction" if held else "free"),
             ]
         pairs += [("row", row), ("table", backend.table)]
-        _pairs(pairs)
+        print_pairs(pairs)
         if show_result and record is not None:
             click.echo("")
             if error is not None:

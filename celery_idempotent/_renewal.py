@@ -1,72 +1,195 @@
-"""Lease renewal: one daemon thread per process keeps every running body's lease alive.
+"""Lease renewal: one keeper thread per process keeps every running body's lease alive.
 
 A thread per guarded call would cost a thread start on the hot path; one keeper with a heap of
 due renewals costs a heap push. Renewals happen every ``interval`` seconds (a third of the lease
 by default), so two renewals can fail in a row before a lease runs out.
+
+The keeper is a real OS thread, also under gevent and eventlet (made with the functions those
+libraries saved before patching, see :mod:`celery_idempotent._green`), and a Redis lock provider
+gives it a connection of its own with real sockets (``RedisLockProvider.renewer``): a body that
+blocks the event loop with Python code cannot starve the renewals of the other bodies of its
+worker, nor its own, because Python still switches threads every few milliseconds. Only a
+single C call that holds the GIL for longer than the lease can. A provider that offers no such
+renewer (a Cluster client, or TLS and Sentinel under gevent/eventlet) is renewed from a green
+keeper on the event loop, as before.
+
+Each renewal attempt waits at most the lease's remaining time. A lease that is lost (Redis
+answered "not ours", or renewals failed until it ran out) is logged once, with its cause, and
+the guard then refuses to commit (``LockLostError``). Under gevent/eventlet the keeper thread
+never calls ``logging`` itself (the handlers' locks are green locks of the event loop's thread):
+it queues its lines, and the event loop's side writes them (at the next guarded call, when the
+body ends, and about once a second).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
+from celery_idempotent import _green
 from celery_idempotent.protocols import Lease, LockProvider
 
-__all__ = ["LeaseKeeper", "Renewal", "keeper"]
+__all__ = [
+    "LeaseKeeper",
+    "Renewal",
+    "claim_report",
+    "flush_log",
+    "keep",
+    "keeper",
+    "renews_natively",
+    "stop",
+]
 
 log = logging.getLogger("celery_idempotent")
 
 #: Stopped renewals wait in the heap until the keeper wakes; past this many it is woken to
 #: drop them, so that a high call rate with a long interval does not pile them up.
 _DRAIN_AT = 4096
+#: The shortest wait for one renewal attempt, even when the local estimate says the lease has
+#: run out: that estimate counts from when the last renewal was sent, so the server may still
+#: hold it a round trip longer, and only the server can tell.
+_MIN_ATTEMPT = 0.02
+#: A renewal that runs later than this fraction of the lease is reported (once per lease).
+_LATE_FRACTION = 0.5
+
+Renew = Callable[[Lease, float, float], bool]
 
 
 class Renewal:
     """One lease being kept alive. ``lost`` turns true when the lease is known (or must be
-    assumed) gone: the provider said it is not ours, or renewals failed until it expired."""
+    assumed) gone: the provider said it is not ours, or renewals failed until it expired;
+    ``cause`` then says which, in words."""
 
-    __slots__ = ("cancelled", "deadline", "error", "interval", "lease", "lost", "provider", "ttl")
+    __slots__ = (
+        "cancelled",
+        "cause",
+        "confirmed",
+        "deadline",
+        "error",
+        "failures",
+        "interval",
+        "label",
+        "late_reported",
+        "lease",
+        "loss_reports",
+        "lost",
+        "provider",
+        "renew",
+        "ttl",
+    )
 
-    def __init__(self, provider: LockProvider, lease: Lease, ttl: float, interval: float) -> None:
+    def __init__(  # noqa: PLR0917 - made in one place, by the keeper
+        self,
+        provider: LockProvider,
+        lease: Lease,
+        ttl: float,
+        interval: float,
+        renew: Renew | None = None,
+        label: str | None = None,
+    ) -> None:
         self.provider = provider
         self.lease = lease
         self.ttl = ttl
         self.interval = interval
-        # Local estimate of when the lease runs out if no renewal succeeds; the server's TTL is
-        # what counts, this only decides when to stop hoping after errors.
-        self.deadline = time.monotonic() + ttl
+        self.renew = renew
+        self.label = label or f"lock {lease.resource}"
+        now = time.monotonic()
+        # Local estimate of when the lease runs out if no renewal succeeds (counted from when
+        # the last successful renewal was sent, so never later than the server's PX).
+        self.deadline = now + ttl
+        self.confirmed = now
         self.lost = False
         self.cancelled = False
         self.error: BaseException | None = None
+        self.cause: str | None = None
+        self.failures = 0
+        self.late_reported = False
+        # next() on it is atomic: whoever draws 0 (keeper or guard) logs the loss.
+        self.loss_reports = itertools.count()
+
+
+class _NativeCondition:
+    """A condition variable made of two plain (OS) locks; one waiter, the keeper thread."""
+
+    def __init__(self, allocate_lock: Callable[[], Any]) -> None:
+        self._mutex = allocate_lock()
+        self._signal = allocate_lock()
+        self._signal.acquire()  # held: not signalled
+
+    def __enter__(self) -> None:
+        self._mutex.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._mutex.release()
+
+    def wait(self, timeout: float) -> None:
+        """With the mutex held: release it, sleep until notified or ``timeout``, retake it."""
+        self._mutex.release()
+        try:
+            self._signal.acquire(True, min(max(timeout, 0.0), 60.0))
+        finally:
+            self._mutex.acquire()
+
+    def notify(self, n: int = 1) -> None:
+        """With the mutex held: wake the waiter (or make its next wait return at once)."""
+        if self._signal.locked():
+            self._signal.release()
 
 
 class LeaseKeeper:
-    """Runs due renewals on one daemon thread, started on first use (and again after fork)."""
+    """Runs due renewals on one thread, started on first use (and again after fork).
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+    ``native=True`` (the default): a real OS thread with OS locks, also under gevent/eventlet.
+    ``native=False``: ``threading`` as it is, i.e. a greenlet when the process is patched.
+    """
+
+    def __init__(self, *, native: bool = True) -> None:
+        self.native = native
+        self._natives = _green.natives() if native else None
+        if self._natives is not None:
+            self._cond: Any = _NativeCondition(self._natives.allocate_lock)
+        else:
+            self._cond = threading.Condition(threading.Lock())
+        # Under gevent/eventlet the OS thread must not call logging (see the module doc).
+        self._relay = self._natives is not None and self._natives.runtime is not None
         self._heap: list[tuple[float, int, Renewal]] = []
         self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
+        self._running = False
         # When the keeper, waiting, will wake up by itself; 0 while it is not waiting (it
         # looks at the heap again before it waits).
         self._wake_at = 0.0
 
-    def keep(self, provider: LockProvider, lease: Lease, ttl: float, interval: float) -> Renewal:
-        """Start renewing ``lease`` every ``interval`` seconds, each time for ``ttl`` seconds."""
-        renewal = Renewal(provider, lease, ttl, interval)
+    def keep(
+        self,
+        provider: LockProvider,
+        lease: Lease,
+        ttl: float,
+        interval: float,
+        *,
+        renew: Renew | None = None,
+        label: str | None = None,
+    ) -> Renewal:
+        """Start renewing ``lease`` every ``interval`` seconds, each time for ``ttl`` seconds,
+        with ``renew(lease, ttl, timeout)`` when given, else ``provider.extend(lease, ttl)``.
+        ``label`` names the lease in log lines."""
+        renewal = Renewal(provider, lease, ttl, interval, renew, label)
         due = time.monotonic() + interval
         with self._cond:
             heapq.heappush(self._heap, (due, next(self._seq), renewal))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-idempotent-lease-keeper", daemon=True
-                )
-                self._thread.start()
+            if not self._running:
+                self._running = True
+                try:
+                    self._start()
+                except BaseException:
+                    self._running = False
+                    raise
             elif due < self._wake_at or (
                 len(self._heap) > _DRAIN_AT and self._heap[0][2].cancelled
             ):
@@ -80,7 +203,24 @@ class LeaseKeeper:
         """Stop renewing; the entry is dropped from the heap when it comes due."""
         renewal.cancelled = True
 
+    def _start(self) -> None:
+        if self._natives is not None:
+            self._natives.start_new_thread(self._run, ())
+        else:
+            threading.Thread(
+                target=self._run, name="celery-idempotent-lease-keeper", daemon=True
+            ).start()
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # pragma: no cover - a bug; the next keep() restarts it
+            self._log(logging.ERROR, "celery-idempotent lease keeper stopped: %r", exc)
+            with self._cond:
+                self._running = False
+            raise
+
+    def _loop(self) -> None:
         heap = self._heap
         while True:
             with self._cond:
@@ -97,7 +237,7 @@ class LeaseKeeper:
                     if heap:
                         wake_at = heap[0][0]
                         if wake_at <= now:
-                            renewal = heapq.heappop(heap)[2]
+                            due, _, renewal = heapq.heappop(heap)
                             break
                     elif dropped_due > now:
                         wake_at = dropped_due
@@ -108,46 +248,206 @@ class LeaseKeeper:
                         self._cond.wait(wake_at - now)
                     finally:
                         self._wake_at = 0.0
-            self._renew(renewal)
+            try:
+                next_due = self._renew(renewal, due)
+            except Exception as exc:  # pragma: no cover - never expected; keep the others alive
+                self._lose(renewal, f"the keeper failed to renew it: {exc!r}")
+                next_due = None
+            if next_due is not None and not renewal.cancelled:
+                with self._cond:
+                    heapq.heappush(heap, (next_due, next(self._seq), renewal))
 
-    def _renew(self, renewal: Renewal) -> None:
-        now = time.monotonic()
+    def _renew(self, renewal: Renewal, due: float) -> float | None:
+        """One renewal attempt; returns when the next is due, or ``None`` (lost)."""
+        start = time.monotonic()
+        late = start - due
+        if renewal.cancelled:  # the body ended meanwhile: its commit decides now
+            return None
+        timeout = max(renewal.deadline - start, _MIN_ATTEMPT)
         try:
-            ours = renewal.provider.extend(renewal.lease, renewal.ttl)
+            if renewal.renew is not None:
+                ours = renewal.renew(renewal.lease, renewal.ttl, timeout)
+            else:
+                ours = renewal.provider.extend(renewal.lease, renewal.ttl)
         except Exception as exc:  # the backend's failure: try again until the lease runs out
             renewal.error = exc
-            if time.monotonic() >= renewal.deadline:
-                renewal.lost = True
-                log.warning(
-                    "lease %s lost: renewals failed until it expired", renewal.lease.resource
+            renewal.failures += 1
+            now = time.monotonic()
+            if now >= renewal.deadline:
+                self._lose(
+                    renewal,
+                    f"renewals failed until it ran out ({renewal.failures} attempt(s) in "
+                    f"{now - renewal.confirmed:.2f}s since the last confirmed renewal; "
+                    f"last error: {exc!r})",
                 )
-                return
-            log.warning("lease renewal of %s failed (%r); retrying", renewal.lease.resource, exc)
-            next_due = now + min(renewal.interval, max(renewal.deadline - now, 0.0) / 2 + 0.01)
+                return None
+            if renewal.failures == 1:
+                self._log(
+                    logging.WARNING,
+                    "celery-idempotent: renewal of the lease of %s failed (%r); retrying "
+                    "for the %.2fs it has left",
+                    renewal.label,
+                    exc,
+                    renewal.deadline - now,
+                )
+            return now + min(renewal.interval, max(renewal.deadline - now, 0.0) / 2 + 0.01)
+        if not ours:
+            since = start - renewal.confirmed
+            if late > renewal.interval and since >= renewal.ttl:
+                why = (
+                    f"it had run out: this renewal ran {late:.2f}s late, {since:.2f}s after "
+                    f"the last confirmed one (lease {renewal.ttl:.3g}s); the keeper thread "
+                    "could not run in time"
+                )
+            elif since >= renewal.ttl:
+                why = (
+                    f"it had run out: no renewal was confirmed for {since:.2f}s "
+                    f"(lease {renewal.ttl:.3g}s)"
+                )
+            else:
+                why = (
+                    f"it was gone {since:.2f}s after the last confirmed renewal, before its "
+                    f"{renewal.ttl:.3g}s were up: deleted or taken over (a forced release, "
+                    "eviction, a Redis restart without persistence or a failover)"
+                )
+            self._lose(renewal, f"Redis answered that the lock is no longer held by it: {why}")
+            return None
+        renewal.deadline = start + renewal.ttl
+        renewal.confirmed = start
+        renewal.failures = 0
+        if late > renewal.ttl * _LATE_FRACTION and not renewal.late_reported:
+            renewal.late_reported = True
+            self._log(
+                logging.WARNING,
+                "celery-idempotent: renewal of the lease of %s ran %.2fs late (lease %.3gs), "
+                "and still found it held: the keeper thread could not run (a C call holding "
+                "the GIL, a paused or overloaded process)",
+                renewal.label,
+                late,
+                renewal.ttl,
+            )
+        return start + renewal.interval
+
+    def _lose(self, renewal: Renewal, cause: str) -> None:
+        renewal.cause = cause
+        renewal.lost = True
+        if not claim_report(renewal):
+            return  # the guard's commit found it first and said so
+        self._log(
+            logging.WARNING,
+            "celery-idempotent: lease of %s (fencing token %s) lost: %s; its result will not "
+            "be committed",
+            renewal.label,
+            renewal.lease.fencing_token,
+            cause,
+        )
+
+    def _log(self, level: int, msg: str, *args: Any) -> None:
+        if self._relay:
+            _pending.append((level, msg, args))
         else:
-            if not ours:
-                renewal.lost = True
-                return
-            renewal.deadline = now + renewal.ttl
-            next_due = now + renewal.interval
-        if renewal.cancelled:
+            log.log(level, msg, *args)
+
+
+# Log lines of the keeper thread waiting to be written from the event loop's side.
+_pending: collections.deque[tuple[int, str, tuple[Any, ...]]] = collections.deque()
+_pump_started = False
+
+
+def flush_log() -> None:
+    """Write the keeper thread's queued log lines (from the caller's thread)."""
+    while _pending:
+        try:
+            level, msg, args = _pending.popleft()
+        except IndexError:  # pragma: no cover - emptied by another caller meanwhile
             return
-        with self._cond:
-            heapq.heappush(self._heap, (next_due, next(self._seq), renewal))
+        log.log(level, msg, *args)
 
 
-_keeper = LeaseKeeper()
+def _pump() -> None:  # pragma: no cover - runs as a greenlet for the life of the worker
+    while True:
+        time.sleep(1.0)  # green: yields to the event loop
+        flush_log()
+
+
+def _start_pump() -> None:
+    global _pump_started  # noqa: PLW0603 - once per process
+    if not _pump_started:
+        _pump_started = True
+        threading.Thread(target=_pump, name="celery-idempotent-log-relay", daemon=True).start()
+
+
+_native_keeper: LeaseKeeper | None = None
+_green_keeper: LeaseKeeper | None = None
 
 
 def keeper() -> LeaseKeeper:
-    """The process's keeper."""
-    return _keeper
+    """The process's keeper on a real OS thread."""
+    global _native_keeper  # noqa: PLW0603 - one per process, made on first use
+    found = _native_keeper
+    if found is None or (found._natives is not None and found._natives is not _green.natives()):
+        # First use, or the process was patched after the keeper was made.
+        found = _native_keeper = LeaseKeeper(native=True)
+    return found
+
+
+def _green_keeper_() -> LeaseKeeper:
+    global _green_keeper  # noqa: PLW0603 - one per process, made on first use
+    if _green_keeper is None:
+        _green_keeper = LeaseKeeper(native=False)
+    return _green_keeper
+
+
+def keep(
+    provider: LockProvider,
+    lease: Lease,
+    ttl: float,
+    interval: float,
+    *,
+    label: str | None = None,
+) -> Renewal:
+    """Keep ``lease`` alive until :func:`stop`: on the OS-thread keeper with the provider's own
+    ``renewer()`` when it has one (or when no green runtime patched the process), else on the
+    green keeper."""
+    get_renewer = getattr(provider, "renewer", None)
+    renew: Renew | None = get_renewer() if callable(get_renewer) else None
+    runtime = _green.runtime()
+    if runtime is not None:
+        _start_pump()
+        flush_log()
+        if renew is None:
+            return _green_keeper_().keep(provider, lease, ttl, interval, label=label)
+    return keeper().keep(provider, lease, ttl, interval, renew=renew, label=label)
+
+
+def claim_report(renewal: Renewal) -> bool:
+    """True for the first caller only: that one logs the loss of ``renewal``'s lease."""
+    return next(renewal.loss_reports) == 0
+
+
+def stop(renewal: Renewal) -> None:
+    """Stop renewing ``renewal`` (and write any queued log lines of the keeper)."""
+    renewal.cancelled = True
+    if _pending:
+        flush_log()
+
+
+def renews_natively(provider: LockProvider) -> bool:
+    """Whether ``provider``'s leases are renewed from the OS-thread keeper in this process (not
+    from the event loop, where a blocking body can starve them)."""
+    if _green.runtime() is None:
+        return True
+    get_renewer = getattr(provider, "renewer", None)
+    return callable(get_renewer) and get_renewer() is not None
 
 
 def _reset_after_fork() -> None:
-    # The keeper thread does not survive fork, and its condition may have been held by it.
-    global _keeper  # noqa: PLW0603 - the one process-wide keeper is replaced in the child
-    _keeper = LeaseKeeper()
+    # The keeper threads do not survive fork, and their locks may have been held by them.
+    global _native_keeper, _green_keeper, _pump_started  # noqa: PLW0603 - per process
+    _native_keeper = None
+    _green_keeper = None
+    _pump_started = False
+    _pending.clear()
 
 
 if hasattr(os, "register_at_fork"):

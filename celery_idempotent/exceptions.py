@@ -18,10 +18,14 @@ One root, every error carrying the idempotency key it concerns::
 Every exception keeps all of its data in ``args``, in the order of its constructor's parameters.
 Celery's result backend rebuilds an exception as ``cls(*args)`` (JSON result serializer) and
 pickle does the same, so ``AsyncResult.get()`` raises the same class with the same attributes.
+An error with fields of its own declares them once, as a dataclass (``key``, its fields,
+``message``): the constructor, the attributes and ``args`` all come from that declaration.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -52,10 +56,20 @@ class IdempotencyError(Exception):
         text = self.message or self._describe()
         return f"{text} (key={self.key!r})" if self.key is not None else text
 
+    def __post_init__(self) -> None:
+        # A dataclass subclass's generated __init__ ends here: its fields, in order, are args.
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        Exception.__init__(self, *(getattr(self, f.name) for f in fields))
+
     def _describe(self) -> str:
         return self.__class__.__name__
 
+    def with_key(self, key: str) -> IdempotencyError:
+        """The same error (class and fields) naming ``key`` instead."""
+        return type(self)(key, *self.args[1:])
 
+
+@dataclass(eq=False, repr=False)
 class LockAcquisitionError(IdempotencyError):
     """The key's lock was held by someone else through every attempt.
 
@@ -63,33 +77,27 @@ class LockAcquisitionError(IdempotencyError):
     IETF draft's 409 Conflict: the same key is being processed; retrying later is safe.
     """
 
-    def __init__(
-        self, key: str | None = None, attempts: int = 0, message: str | None = None
-    ) -> None:
-        Exception.__init__(self, key, attempts, message)
-        self.key = key
-        self.attempts = attempts
-        self.message = message
+    key: str | None = None
+    attempts: int = 0
+    message: str | None = None
 
     def _describe(self) -> str:
         return f"lock still held by another holder after {self.attempts} attempt(s)"
 
 
+@dataclass(eq=False, repr=False)
 class IdempotencyAbortedError(IdempotencyError):
     """The ``abort`` event was set before the body started; no lock is left held."""
 
-    def __init__(
-        self, key: str | None = None, attempts: int = 0, message: str | None = None
-    ) -> None:
-        Exception.__init__(self, key, attempts, message)
-        self.key = key
-        self.attempts = attempts
-        self.message = message
+    key: str | None = None
+    attempts: int = 0
+    message: str | None = None
 
     def _describe(self) -> str:
         return f"aborted after {self.attempts} lock attempt(s)"
 
 
+@dataclass(eq=False, repr=False)
 class IdempotencyMismatchError(IdempotencyError):
     """The key was used before with another payload (the IETF draft's 422).
 
@@ -97,18 +105,10 @@ class IdempotencyMismatchError(IdempotencyError):
     this call's ``input``. The body was not run.
     """
 
-    def __init__(
-        self,
-        key: str | None = None,
-        stored_fingerprint: str | None = None,
-        fingerprint: str | None = None,
-        message: str | None = None,
-    ) -> None:
-        Exception.__init__(self, key, stored_fingerprint, fingerprint, message)
-        self.key = key
-        self.stored_fingerprint = stored_fingerprint
-        self.fingerprint = fingerprint
-        self.message = message
+    key: str | None = None
+    stored_fingerprint: str | None = None
+    fingerprint: str | None = None
+    message: str | None = None
 
     def _describe(self) -> str:
         return (
@@ -117,6 +117,7 @@ class IdempotencyMismatchError(IdempotencyError):
         )
 
 
+@dataclass(eq=False, repr=False)
 class IdempotencyKeyMissingError(IdempotencyError):
     """A call has no idempotency key: a field of the key's format string is ``None``
     (``"user:{user_id}"`` called with ``user_id=None``), or the key callable returned ``None``.
@@ -128,18 +129,10 @@ class IdempotencyKeyMissingError(IdempotencyError):
     unguarded instead.
     """
 
-    def __init__(
-        self,
-        key: str | None = None,
-        task: str | None = None,
-        field: str | None = None,
-        message: str | None = None,
-    ) -> None:
-        Exception.__init__(self, key, task, field, message)
-        self.key = key
-        self.task = task
-        self.field = field
-        self.message = message
+    key: str | None = None
+    task: str | None = None
+    field: str | None = None
+    message: str | None = None
 
     def _describe(self) -> str:
         if self.field is None:
@@ -150,6 +143,7 @@ class IdempotencyKeyMissingError(IdempotencyError):
         )
 
 
+@dataclass(eq=False, repr=False)
 class IdempotencyKeyHeldError(IdempotencyError):
     """``forget`` refused: the key's lock is held, so a delivery is running its body now.
 
@@ -158,23 +152,16 @@ class IdempotencyKeyHeldError(IdempotencyError):
     ``--force``) when the holder is known to be dead; its lease also expires by itself.
     """
 
-    def __init__(
-        self,
-        key: str | None = None,
-        holder: str | None = None,
-        lease_left: float | None = None,
-        message: str | None = None,
-    ) -> None:
-        Exception.__init__(self, key, holder, lease_left, message)
-        self.key = key
-        self.holder = holder
-        self.lease_left = lease_left
-        self.message = message
+    key: str | None = None
+    holder: str | None = None
+    lease_left: float | None = None
+    message: str | None = None
 
     def _describe(self) -> str:
         return f"the key's lock is held by {self.holder}: a delivery is running its body now"
 
 
+@dataclass(eq=False, repr=False)
 class LockLostError(IdempotencyError):
     """The body ran, but its lease was lost before the result could be committed.
 
@@ -182,13 +169,9 @@ class LockLostError(IdempotencyError):
     returned, so the caller can compensate (refund, undo) or decide to keep it.
     """
 
-    def __init__(
-        self, key: str | None = None, result: Any = None, message: str | None = None
-    ) -> None:
-        Exception.__init__(self, key, result, message)
-        self.key = key
-        self.result = result
-        self.message = message
+    key: str | None = None
+    result: Any = None
+    message: str | None = None
 
     def _describe(self) -> str:
         return "lease lost while the body ran; the result was not committed"
@@ -213,6 +196,7 @@ class IdempotencyConnectionError(IdempotencyBackendError):
     """The backend could not be reached (connection refused, timeout, authentication)."""
 
 
+@dataclass(eq=False, repr=False)
 class RecordDecodeError(IdempotencyError):
     """A stored record was refused: its content type is not accepted, or it is corrupt.
 
@@ -220,31 +204,24 @@ class RecordDecodeError(IdempotencyError):
     for one) is reported, not deserialized.
     """
 
-    def __init__(
-        self, key: str | None = None, content_type: str | None = None, message: str | None = None
-    ) -> None:
-        Exception.__init__(self, key, content_type, message)
-        self.key = key
-        self.content_type = content_type
-        self.message = message
+    key: str | None = None
+    content_type: str | None = None
+    message: str | None = None
 
     def _describe(self) -> str:
         return f"stored record refused (content type {self.content_type!r})"
 
 
+@dataclass(eq=False, repr=False)
 class ResultEncodeError(IdempotencyError):
     """The serializer refused the body's result; nothing was stored and the lock was released.
 
     ``result`` is what the body returned: its side effects happened, so the caller may need it.
     """
 
-    def __init__(
-        self, key: str | None = None, result: Any = None, message: str | None = None
-    ) -> None:
-        Exception.__init__(self, key, result, message)
-        self.key = key
-        self.result = result
-        self.message = message
+    key: str | None = None
+    result: Any = None
+    message: str | None = None
 
     def _describe(self) -> str:
         return f"the result serializer refused a result of type {type(self.result).__name__}"

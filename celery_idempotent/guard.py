@@ -281,11 +281,11 @@ class DistributedIdempotencyGuard:
                 record = self._backend(key, "store get", self.store.get, rkey)
             if record is not None:
                 return self._replay(key, record, fingerprint, attempts, started)
-            value = self._run_body(key, fn, lease, started)
+            value, renewal = self._run_body(key, fn, lease, started)
             # Whole µs: the Redis store writes those compactly (see keyspace).
             stamp = round(self.clock(), 6)
             new = IdempotencyRecord(value, fingerprint, stamp, lease.fencing_token)
-            committed = self._commit(key, rkey, lease, new, started)
+            committed = self._commit(key, rkey, lease, new, started, renewal=renewal)
             return Outcome(value, False, lease.fencing_token, attempts)
         finally:
             if not committed:
@@ -304,24 +304,51 @@ class DistributedIdempotencyGuard:
             if abort is not None and abort.is_set():
                 raise IdempotencyAbortedError(key, attempts)
             attempts += 1
+            sent = self.clock()
             if self._atomic is not None:
                 claim: Claim = self._backend(
                     key, "claim", self._atomic.claim, resource, rkey, self.lock_ttl
                 )
-                if claim.lease is not None or claim.record is not None:
-                    return claim.lease, claim.record, attempts
+                lease, record = claim.lease, claim.record
             else:
                 lease = self._backend(
                     key, "lock acquire", self.lock_provider.acquire, resource, self.lock_ttl
                 )
-                if lease is not None:
-                    return lease, None, attempts
+                record = None
+            if lease is not None and not self._still_ours(key, lease, sent):
+                pass  # it ran out before its reply came: claim again (an attempt like any)
+            elif lease is not None or record is not None:
+                return lease, record, attempts
             self._emit("contention", key, attempts, started)
             if attempts >= total:
                 raise LockAcquisitionError(key, attempts)
             delay = self._backoff.delay(attempts - 1)
             if self._sleep(delay, abort):
                 raise IdempotencyAbortedError(key, attempts)
+
+    def _still_ours(self, key: str, lease: Lease, sent: float) -> bool:
+        """Whether a lease whose claim was sent at ``sent`` (guard clock) is still ours.
+
+        Its reply can come long after Redis took the lock: under gevent or eventlet a body
+        that blocks the event loop holds every other greenlet, this claim's reader included,
+        and the lease is not renewed before the guard knows it. A reply that took a renewal
+        interval or more is checked with one extend before the body may run.
+        """
+        waited = self.clock() - sent
+        if waited < self.renew_interval:
+            return True
+        ours = bool(
+            self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
+        )
+        if not ours:
+            log.warning(
+                "celery-idempotent: the claim of key #%s was answered %.2fs after it was sent, "
+                "after its %gs lease had run out: the body did not run; claiming again",
+                key_digest(key),
+                waited,
+                self.lock_ttl,
+            )
+        return ours
 
     def _replay(
         self,
@@ -340,23 +367,38 @@ class DistributedIdempotencyGuard:
         self._emit("replay", key, attempts, started, record.fencing_token)
         return Outcome(record.result, True, record.fencing_token, attempts)
 
-    def _run_body(self, key: str, fn: Callable[[], T], lease: Lease, started: float) -> T:
-        renewal = _renewal.keeper().keep(
-            self.lock_provider, lease, self.lock_ttl, self.renew_interval
+    def _run_body(
+        self, key: str, fn: Callable[[], T], lease: Lease, started: float
+    ) -> tuple[T, _renewal.Renewal]:
+        renewal = _renewal.keep(
+            self.lock_provider,
+            lease,
+            self.lock_ttl,
+            self.renew_interval,
+            label=f"key #{key_digest(key)}",
         )
         token = _current_lease.set(lease)
         try:
             value = fn()
         finally:
             _current_lease.reset(token)
-            _renewal.LeaseKeeper.stop(renewal)
-        if renewal.lost:
+            _renewal.stop(renewal)
+        if renewal.lost:  # the keeper has logged it, with its cause
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
-            raise LockLostError(key, value) from renewal.error
-        return value
+            raise LockLostError(
+                key, value, f"lease lost while the body ran: {renewal.cause}; not committed"
+            ) from renewal.error
+        return value, renewal
 
     def _commit(
-        self, key: str, rkey: str, lease: Lease, record: IdempotencyRecord, started: float
+        self,
+        key: str,
+        rkey: str,
+        lease: Lease,
+        record: IdempotencyRecord,
+        started: float,
+        *,
+        renewal: _renewal.Renewal | None = None,
     ) -> bool:
         """Store the record while still the holder. True when the commit also released.
 
@@ -389,11 +431,26 @@ class DistributedIdempotencyGuard:
             except IdempotencyBackendError as exc:
                 # The backend refused the commit (not a lost reply): nothing was stored. The
                 # body's side effects happened, so the caller still gets its result.
+                log.warning(
+                    "celery-idempotent: commit of key #%s refused by the backend (%s); its "
+                    "result is not committed",
+                    key_digest(key),
+                    exc,
+                )
                 self._emit("lease_lost", key, 0, started, lease.fencing_token)
                 raise LockLostError(
                     key, record.result, f"the commit failed: {exc}; the result is not stored"
                 ) from exc
         if not ok:
+            cause = "the commit found the lock no longer held by this lease (ran out or taken)"
+            if renewal is None or _renewal.claim_report(renewal):
+                log.warning(
+                    "celery-idempotent: lease of key #%s (fencing token %s) lost: %s; its result "
+                    "is not committed",
+                    key_digest(key),
+                    lease.fencing_token,
+                    cause,
+                )
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
             if wrote:
                 # Two-step path: an earlier write's reply was lost, so it may have landed even
@@ -404,7 +461,7 @@ class DistributedIdempotencyGuard:
                     "the lease was lost after a write of the record whose outcome is unknown: "
                     "the result may or may not be stored; look it up before compensating",
                 )
-            raise LockLostError(key, record.result)
+            raise LockLostError(key, record.result, f"lease lost: {cause}; not committed")
         self._emit("committed", key, 0, started, lease.fencing_token)
         return released
 
@@ -460,9 +517,7 @@ class DistributedIdempotencyGuard:
         except IdempotencyError as exc:
             if exc.key == key:
                 raise
-            args_ = list(exc.args)
-            args_[0] = key
-            raise type(exc)(*args_) from (exc.__cause__ or exc)
+            raise exc.with_key(key) from (exc.__cause__ or exc)
         except (ConnectionError, TimeoutError) as exc:
             raise IdempotencyConnectionError(key, f"{op} failed: {exc!r}") from exc
         except Exception as exc:

@@ -373,7 +373,8 @@ class PostgresBackend:
         with self._lock:
             if self._pid != os.getpid():
                 # Connections made before a fork belong to the parent: never use or close
-                # them here (closing would send a Terminate on the parent's socket).
+                # them here (psycopg itself does not end a connection of another process
+                # when it is garbage collected: tests/postgres/test_postgres_backend.py).
                 self._idle = []
                 self._open = {}
                 self._pid = os.getpid()

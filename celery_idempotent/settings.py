@@ -68,8 +68,10 @@ def setting(
 class IdempotencySettings:
     """The resolved settings for one task. Field names are the setting names."""
 
-    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``, or ``memory://``
-    #: for one process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
+    #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``; ``postgresql://``
+    #: (``postgres://``) or ``django://<alias>``: PostgreSQL, where the record commits in the
+    #: body's own transaction (:mod:`celery_idempotent.postgres`); or ``memory://`` for one
+    #: process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
     #: master when it is a ``sentinel://`` URL (with ``broker_transport_options['master_name']``,
     #: as kombu reads them), else an error that says so.
     idempotency_url: str | None = setting(None, check_url, nullable=True)

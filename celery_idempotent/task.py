@@ -16,15 +16,16 @@ import random
 import string
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_idempotent import admin, signals
-from celery_idempotent._redis import make_client
+from celery_idempotent import _green, admin, signals
+from celery_idempotent._health import eviction_policy, eviction_warning
+from celery_idempotent._redis import SentinelClientFactory, import_redis, make_client
 from celery_idempotent.admin import Forgotten, IdempotencyStatus
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
@@ -71,8 +72,24 @@ REQUEUE_HEADER = "idempotency_requeues"
 #: ``{FAILURE_MARKER: 1, "exc": <the exception as Celery's result backend serializes it>}``.
 FAILURE_MARKER = "__celery_idempotent_failure__"
 
-#: The longest countdown between re-queues of a duplicate that finds its key held.
+#: The longest wait between two lock attempts of one delivery (the guard's back-off), and
+#: between re-tries of an eager ``apply()`` whose key is held: the caller is blocked meanwhile.
 MAX_REQUEUE_DELAY = 5.0
+#: The longest countdown of a re-queued duplicate that found its key held. The countdown
+#: doubles from ``idempotency_retry_base_delay`` up to this, so a duplicate waits at most
+#: about as long again as it has waited (never more than this) after the key is released,
+#: and a duplicate waiting on a body that runs for an hour is re-published about 90 times,
+#: not about 960 times as with a 5 s cap (the fault suite measures both).
+MAX_REQUEUE_COUNTDOWN = 60.0
+
+
+def requeue_countdown(requeues: int, base: float, rand: float, cap: float) -> float:
+    """Seconds before a duplicate re-queued ``requeues`` times so far is delivered again:
+    ``base * 2**requeues`` capped at ``cap``, times a jitter of ``0.5 + rand / 2`` (``rand``
+    in [0, 1)) so that the duplicates of one key do not arrive in lockstep."""
+    grown: float = max(base, 0.05) * 2 ** min(requeues, 16)
+    return min(cap, grown) * (0.5 + rand / 2)
+
 
 #: RabbitMQ's dead-lettering headers. Celery drops them when it re-publishes a retry: a message
 #: re-published with them looks like a dead-letter cycle to RabbitMQ, which then drops it.
@@ -571,9 +588,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             if name not in _X_DEATH_HEADERS
         }
         requeues = int(headers.get(REQUEUE_HEADER) or 0)
-        base = max(cfg.idempotency_retry_base_delay, 0.05)
-        cap = min(MAX_REQUEUE_DELAY, cfg.idempotency_lock_ttl)
-        countdown = min(cap, base * 2 ** min(requeues, 16)) * (0.5 + random.random() / 2)  # noqa: S311
+        # Eagerly the caller waits here, in place: no broker messages to save, keep it short.
+        cap = MAX_REQUEUE_DELAY if request.is_eager else MAX_REQUEUE_COUNTDOWN
+        countdown = requeue_countdown(
+            requeues,
+            cfg.idempotency_retry_base_delay,
+            random.random(),  # noqa: S311 - jitter, not security
+            cap,
+        )
         if request.is_eager:
             time.sleep(countdown)
             headers[REQUEUE_HEADER] = requeues + 1
@@ -787,16 +809,22 @@ def _backend_label(cfg: IdempotencySettings) -> str:
     return f"idempotency_client {name}"
 
 
+#: A task that the start-up check resolved: (name, task, its settings).
+Resolved = tuple[str, "IdempotentTask", IdempotencySettings]
+
+
 def check_app_at_worker_start(app: Any) -> list[str]:
     """Resolve the settings of every :class:`IdempotentTask` of ``app``; log one INFO line
-    (how many tasks, where their keys live) and one ERROR per misconfigured task.
+    (how many tasks, where their keys live), one ERROR per misconfigured task, and one WARNING
+    per finding of the :data:`STARTUP_CHECKS` (a setup that can break a promise).
 
     Connected to Celery's ``celeryd_after_setup`` signal, so that a bad or missing setting
     (an amqp broker and no ``idempotency_url``, a negative TTL) shows in the worker's log when
-    it starts, not first when a task fails. Returns the error messages. No client is made.
+    it starts, not first when a task fails. Returns the error messages.
     """
     errors: list[str] = []
     places: dict[str, int] = {}
+    resolved: list[Resolved] = []
     for name in sorted(app.tasks):
         task = app.tasks[name]
         if not isinstance(task, IdempotentTask):
@@ -812,6 +840,7 @@ def check_app_at_worker_start(app: Any) -> list[str]:
             label = "disabled (idempotency_enabled=False)"
         else:
             label = _backend_label(cfg)
+            resolved.append((name, task, cfg))
         places[label] = places.get(label, 0) + 1
     if places:
         log.info(
@@ -819,7 +848,106 @@ def check_app_at_worker_start(app: Any) -> list[str]:
             sum(places.values()),
             ", ".join(f"{n} at {label}" for label, n in places.items()),
         )
+    for check in STARTUP_CHECKS:
+        try:
+            found = check(app, resolved)
+        except Exception:  # a check must never stop the worker
+            log.exception("celery-idempotent: start-up check %s failed", check.__name__)
+            continue
+        for message in found:
+            log.warning("celery-idempotent: %s", message)
     return errors
+
+
+# One small function per start-up check: (app, the enabled tasks) -> warning messages.
+
+
+def check_pool(app: Any, tasks: list[Resolved]) -> list[str]:
+    """Under gevent or eventlet: what a body that does not yield risks, and which lease to
+    choose."""
+    runtime = _green.runtime()
+    if runtime is None or not tasks:
+        return []
+    shortest = min(tasks, key=lambda t: t[2].idempotency_lock_ttl)
+    ttl, name = shortest[2].idempotency_lock_ttl, shortest[0]
+    messages = [
+        f"pool {runtime}: lease renewals run on an OS thread with a Redis connection of their "
+        "own, so a body that blocks the event loop in Python code (a CPU loop) keeps its lease "
+        "and costs none of the others. A body blocked in one C call that holds the GIL (some C "
+        "extensions: image, PDF, compression, a database driver the pool does not patch) stops "
+        "every renewal of this worker process for as long as it runs: past "
+        f"idempotency_lock_ttl (here as short as {ttl:g}s, task {name}) the leases of all its "
+        "bodies run out, their keys can run again elsewhere, and their commits are refused "
+        "(LockLostError). Choose idempotency_lock_ttl longer than the longest such call"
+    ]
+    hub_renewed = sorted(name for name, _, cfg in tasks if not _renews_natively(cfg))
+    if hub_renewed:
+        messages.append(
+            f"pool {runtime}: tasks {', '.join(hub_renewed)} use a Redis client whose "
+            "connections the lease keeper's OS thread cannot have (TLS, Sentinel, Cluster or a "
+            "client factory): their leases are renewed on the event loop, so any body of this "
+            "worker that does not yield for idempotency_lock_ttl seconds costs them their "
+            "leases; give those tasks an idempotency_lock_ttl longer than the longest such body"
+        )
+    return messages
+
+
+def _renews_natively(cfg: IdempotencySettings) -> bool:
+    """Whether the keeper's OS thread can have its own connection for these settings (judged
+    without connecting)."""
+    source = cfg.idempotency_client
+    if source is None:
+        return cfg.in_memory is False and cfg.backend_url.startswith(("redis://", "unix://"))
+    if not callable(getattr(source, "register_script", None)):
+        return False  # a factory: its client is made in each worker process
+    from celery_idempotent import _native_redis  # noqa: PLC0415
+
+    return _native_redis.native_caller_for(source, _green.natives()) is not None
+
+
+def check_eviction(app: Any, tasks: list[Resolved]) -> list[str]:
+    """The ``maxmemory-policy`` of every Redis the tasks' keys live on (one ``INFO memory``
+    each, on a short-lived client)."""
+    backends: dict[Any, IdempotencySettings] = {}
+    for _, _, cfg in tasks:
+        if not cfg.in_memory:
+            source = cfg.idempotency_client
+            ident = ("url", cfg.backend_url) if source is None else ("client", id(source))
+            backends.setdefault(ident, cfg)
+    messages: list[str] = []
+    for cfg in backends.values():
+        policy, error = _read_policy(cfg)
+        message = eviction_warning(_backend_label(cfg), policy, error)
+        if message is not None:
+            messages.append(message)
+    return messages
+
+
+def _read_policy(cfg: IdempotencySettings) -> tuple[str | None, str | None]:
+    source = cfg.idempotency_client
+    if source is None:
+        redis_mod = import_redis()
+        client = redis_mod.Redis.from_url(
+            cfg.backend_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        try:
+            return eviction_policy(client)
+        finally:
+            client.close()
+    if callable(getattr(source, "register_script", None)):
+        return eviction_policy(source)
+    if isinstance(source, SentinelClientFactory):
+        client = source()
+        try:
+            return eviction_policy(client)
+        finally:
+            client.close()
+    # A user's factory is called once per worker process, by the tasks: not here.
+    return None, "idempotency_client is a factory; it is not called at start"
+
+
+#: The checks :func:`check_app_at_worker_start` runs, in order.
+STARTUP_CHECKS: list[Callable[[Any, list[Resolved]], list[str]]] = [check_pool, check_eviction]
 
 
 def check_namespaces(app: Any) -> list[str]:

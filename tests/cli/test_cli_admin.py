@@ -450,8 +450,10 @@ def test_stats_by_state_and_task(
     }
     assert doc["total"] == {"completed": 4, "in_progress": 1}
     assert doc["other"] == 1
+    assert doc["maxmemory_policy"] == "noeviction"
 
     lines = ok(run_cli("stats")).stdout.splitlines()
+    assert lines[0].endswith(", maxmemory-policy noeviction")
     assert lines[1].split() == ["TASK", "COMPLETED", "IN", "PROGRESS"]
     assert lines[2].split() == ["cliadmin.charge", "3", "0"]
     assert lines[-2].split() == ["TOTAL", "4", "1"]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +74,12 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def assert_cleaned_up(summary: dict[str, Any], tmp: Path) -> None:
+def assert_cleaned_up(summary: dict[str, Any], tmp: Path, *, forked: bool = True) -> None:
+    """``forked``: prefork, whose pool processes are children of the workers."""
     cleanup = summary["cleanup"]
     started = cleanup["started"]
     assert started["workers"], cleanup
-    assert len(started["pool"]) >= 2, cleanup
+    assert len(started["pool"]) >= (2 if forked else 0), cleanup
     assert cleanup["left_running"] == []
     # Our own check, by pid: a pid reused since by an unrelated process does not count.
     for pid in [*started["workers"], *started["pool"]]:
@@ -117,6 +119,25 @@ def test_quick_run_is_exactly_once(tmp_path: Path) -> None:
     assert "embedded redis-server" in summary["settings"]["redis"]
     assert "OK: every order, charge, email and shipment happened exactly once" in stderr
     assert_cleaned_up(summary, tmp)
+
+
+def test_every_other_pool_runs_the_demo_exactly_once(tmp_path: Path) -> None:
+    """``--pool threads|solo|gevent|eventlet``, the four runs at once (prefork: above)."""
+    pools = ("threads", "solo", "gevent", "eventlet")
+    tmps = {pool: tmp_path / pool for pool in pools}
+    for tmp in tmps.values():
+        tmp.mkdir()
+    with ThreadPoolExecutor(max_workers=len(pools)) as executor:
+        futures = {
+            pool: executor.submit(run_demo, tmps[pool], "--pool", pool, timeout=170)
+            for pool in pools
+        }
+        outcomes = {pool: future.result() for pool, future in futures.items()}
+    for pool, (status, summary, stderr) in outcomes.items():
+        assert status == 0, f"{pool}: {stderr}"
+        assert summary["settings"]["pool"] == pool
+        assert_exactly_once(summary)
+        assert_cleaned_up(summary, tmps[pool], forked=False)
 
 
 def test_chaos_kill_mid_charge_is_still_exactly_once(tmp_path: Path) -> None:
@@ -210,5 +231,23 @@ def test_help_documents_the_flags() -> None:
         timeout=30,
         check=True,
     ).stdout
-    for flag in ("--quick", "--chaos", "--redis-url", "--broker-url", "--json", "--orders"):
+    for flag in (
+        "--quick",
+        "--chaos",
+        "--redis-url",
+        "--broker-url",
+        "--json",
+        "--orders",
+        "--pool",
+    ):
         assert flag in out
+    refused = subprocess.run(
+        [sys.executable, "-m", "example_project", "--chaos", "--pool", "gevent"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "--chaos kills prefork pool processes" in refused.stderr

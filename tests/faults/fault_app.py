@@ -110,6 +110,7 @@ def make_app(
     ns: str,
     prefix: str,
     lock_ttl: float,
+    visibility_timeout: float = 3600,
     in_worker: bool = False,
 ) -> Celery:
     """The fault suite's app: the task ``faults.work`` on the given servers.
@@ -127,7 +128,21 @@ def make_app(
         accept_content=["json"],
         result_expires=3600,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 3600},
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout,
+            # a short visibility timeout is only useful if unacked messages are looked at often
+            # (and a worker killed while it held the restore mutex must not stop restores for
+            # the mutex's default 300 s)
+            **(
+                {
+                    "unacked_restore_interval": 1,
+                    "unacked_restore_throttle": 1,
+                    "unacked_mutex_expire": max(1, int(visibility_timeout)),
+                }
+                if visibility_timeout < 60
+                else {}
+            ),
+        },
         # A result collected after its test's private Redis stopped unsubscribes on the way
         # out; Celery before 5.6 retries that 20 times a second apart, per result.
         result_backend_transport_options={"retry_policy": {"max_retries": 1}},
@@ -140,19 +155,24 @@ def make_app(
     )
     marks = Marks(marks_url, ns)
 
-    def run_body(n: int, duration: float) -> dict[str, Any]:
+    def run_body(n: int, duration: float, cpu: bool = False) -> dict[str, Any]:
         lease = current_lease()
         if lease is None:
             raise RuntimeError("the body ran outside of a guard")
         exec_id = uuid.uuid4().hex[:12]
         marks.mark("start", n, exec_id, lease.fencing_token)
-        time.sleep(duration)
+        if cpu:  # computes without yielding to an event loop (gevent, eventlet)
+            end = time.monotonic() + duration
+            while time.monotonic() < end:
+                pass
+        else:
+            time.sleep(duration)
         marks.mark("end", n, exec_id, lease.fencing_token)
         return {"n": n, "exec": exec_id, "fence": lease.fencing_token}
 
     @app.task(base=IdempotentTask, shared=False, name="faults.work", idempotency_key="work:{n}")
-    def work(n: int, duration: float) -> dict[str, Any]:
-        return run_body(n, duration)
+    def work(n: int, duration: float, cpu: bool = False) -> dict[str, Any]:
+        return run_body(n, duration, cpu)
 
     def on_prerun(sender: Any = None, **kwargs: Any) -> None:
         if sender is not None and sender.name.startswith("faults."):
@@ -214,6 +234,7 @@ def config_from_env(environ: Any = os.environ) -> dict[str, Any]:
         "ns": environ["FAULT_NS"],
         "prefix": environ["FAULT_PREFIX"],
         "lock_ttl": float(environ["FAULT_LOCK_TTL"]),
+        "visibility_timeout": float(environ.get("FAULT_VISIBILITY_TIMEOUT", 3600)),
     }
 
 

@@ -162,10 +162,10 @@ class FaultEnv:
     def lock_ttl(self) -> float:
         return float(self.config["lock_ttl"])
 
-    def start_worker(self, *, concurrency: int, queue: str) -> CeleryWorker:
+    def start_worker(self, *, concurrency: int, queue: str, pool: str = "prefork") -> CeleryWorker:
         worker = CeleryWorker(
             "fault_app",
-            pool="prefork",
+            pool=pool,
             concurrency=concurrency,
             queues=[queue],
             env=env_for(self.config),
@@ -181,10 +181,16 @@ class FaultEnv:
 
 @contextlib.contextmanager
 def fault_env(
-    *, broker: RedisServer, idem_url: str, lock_ttl: float, marks_url: str | None = None
+    *,
+    broker: RedisServer,
+    idem_url: str,
+    lock_ttl: float,
+    marks_url: str | None = None,
+    visibility_timeout: float | None = None,
 ) -> Iterator[FaultEnv]:
     """A :class:`FaultEnv`: broker and results on ``broker`` (db 1 and 2), marks on ``broker``
-    (db 3) unless ``marks_url`` is given, locks and records at ``idem_url``."""
+    (db 3) unless ``marks_url`` is given, locks and records at ``idem_url``. A short
+    ``visibility_timeout`` brings back the unacked messages of a worker killed as a whole."""
     tag = uuid.uuid4().hex[:8]
     config: dict[str, Any] = {
         "broker_url": broker.url_for(db=1),
@@ -195,6 +201,8 @@ def fault_env(
         "prefix": f"faults:{tag}:",
         "lock_ttl": lock_ttl,
     }
+    if visibility_timeout is not None:
+        config["visibility_timeout"] = visibility_timeout
     app = make_app(**config)
     marks = redis.Redis.from_url(config["marks_url"])
     idem = redis.Redis.from_url(idem_url, socket_timeout=5)

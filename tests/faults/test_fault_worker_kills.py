@@ -180,6 +180,8 @@ def test_sigkilled_children_never_run_a_key_twice_at_once_nor_commit_twice(
             commits=sum(len(f) for f in commits.values()),
             double_executions=len(double),
             double_commits=len(twice),
+            executions_per_key=round(executions / KEYS, 3),
+            lost_leases=env.marks.llen(f"{env.ns}lease_lost"),
             seconds=round(elapsed, 1),
         )
 

@@ -233,7 +233,8 @@ def test_round_trips_match_a_plain_transaction(
     from benchmarks.pg import FlightCounter
 
     parts = urlsplit(postgres_url)
-    relay = FlightCounter(parts.hostname or "127.0.0.1", parts.port or 5432)
+    # Replies held 50 ms: a pipelined flight is sent whole long before, even on a busy machine.
+    relay = FlightCounter(parts.hostname or "127.0.0.1", parts.port or 5432, delay=0.05)
     try:
         url = relay.url(postgres_url)
         backend = PostgresBackend(url, table=pg_table)
@@ -341,3 +342,49 @@ def test_a_commit_that_never_left_is_reported_not_stored(
     monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(real))
     assert _count(postgres_url, f"SELECT count(*) FROM {payments}") == 0
     assert guard.execute("k", lambda: "again") == "again"
+
+
+def test_a_forked_child_never_touches_the_parents_connections(pg_backend: PostgresBackend) -> None:
+    import os
+
+    guard = make_guard(pg_backend)
+    assert guard.execute("before", lambda: 1) == 1
+    parents = list(pg_backend._idle)
+    assert parents
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            code = 0 if guard.execute("child", lambda: 2) == 2 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for conn in parents:  # still the parent's, still open (no Terminate sent by the child)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert guard.execute("child", lambda: 3) == 2  # the child's commit is there
+
+
+def test_keepalives_are_set_on_both_ends_of_the_bodys_connection(
+    pg_backend: PostgresBackend,
+) -> None:
+    guard = make_guard(pg_backend)
+
+    def body() -> dict[str, Any]:
+        conn = current_connection()
+        server = {
+            name: conn.execute(f"SHOW tcp_keepalives_{name}").fetchone()[0]
+            for name in ("idle", "interval", "count")
+        }
+        client = {k: v for k, v in conn.info.get_parameters().items() if k.startswith("keep")}
+        return {"server": server, "client": client}
+
+    found = guard.execute("k", body)
+    # The server, which holds the row lock, probes a silent worker: 10 s, then 3 x 5 s.
+    assert found["server"] == {"idle": "10", "interval": "5", "count": "3"}
+    assert found["client"] == {
+        "keepalives": "1",
+        "keepalives_idle": "10",
+        "keepalives_interval": "5",
+        "keepalives_count": "3",
+    }

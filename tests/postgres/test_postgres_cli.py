@@ -32,11 +32,17 @@ def app(postgres_url: str, pg_table: str) -> Iterator[Celery]:
         idempotency_url=f"{postgres_url}{'&' if '?' in postgres_url else '?'}table={pg_table}",
     )
 
-    @app.task(base=IdempotentTask, idempotency_key="order:{order_id}", shared=False)
+    # Named explicitly: a new app also gets every shared task of the session (other suites
+    # define a "charge" too), so lookups must not go by the function's name.
+    @app.task(
+        name="pgcli.charge", base=IdempotentTask, idempotency_key="order:{order_id}", shared=False
+    )
     def charge(order_id: int, amount: int) -> dict[str, int]:
         return {"order": order_id, "amount": amount}
 
-    @app.task(base=IdempotentTask, idempotency_key="order:{order_id}", shared=False)
+    @app.task(
+        name="pgcli.ship", base=IdempotentTask, idempotency_key="order:{order_id}", shared=False
+    )
     def ship(order_id: int) -> str:
         return f"shipped {order_id}"
 
@@ -54,9 +60,7 @@ def run(app: Celery) -> Callable[..., Result]:
 
 
 def _task(app: Celery, short: str) -> Any:
-    # This module's task: a shared task of another test's app (cidem_app.charge) is in every
-    # app made after it, under the same short name.
-    return app.tasks[f"{__name__}.{short}"]
+    return app.tasks[f"pgcli.{short}"]
 
 
 def test_sql_prints_ddl_that_creates_a_working_table(
@@ -184,3 +188,49 @@ def test_the_tasks_admin_methods_read_and_forget_postgres_records(
     assert forgotten.state == "completed"
     assert charge.idempotency_status((5, 50)).state == "absent"
     assert charge.apply((5, 50)).get() == {"order": 5, "amount": 50}
+
+
+@pytest.mark.parametrize("policy", ["raise", "ignore", "retry"])
+def test_a_held_key_follows_idempotency_on_locked(
+    app: Celery, postgres_url: str, pg_table: str, policy: str
+) -> None:
+    import threading
+
+    from celery_idempotent import LockAcquisitionError
+
+    app.conf.update(
+        idempotency_on_locked=policy, idempotency_retry_count=1, idempotency_retry_base_delay=0.01
+    )
+    charge = _task(app, "charge")
+    charge.apply((1, 1))  # the backend and its table exist
+    backend = PostgresBackend(postgres_url, table=pg_table, lock_timeout=0.05)
+    row = json.loads(
+        CliRunner()
+        .invoke(
+            idempotency,
+            ["inspect", "order:8", "--task", charge.name, "--json"],
+            obj=CLIContext(app=app, no_color=True, workdir=None),
+        )
+        .output
+    )["row"]
+    lease = backend.acquire(row.replace("{", "lock:{", 1), 5)
+    assert lease is not None
+    try:
+        if policy == "retry":
+            # Eager mode waits in place between attempts: free the key meanwhile.
+            timer = threading.Timer(0.5, backend.release, (lease,))
+            timer.start()
+            assert charge.apply((8, 80)).get() == {"order": 8, "amount": 80}
+            timer.join()
+            return
+        result = charge.apply((8, 80))
+        if policy == "raise":
+            assert result.state == "FAILURE"
+            assert isinstance(result.result, LockAcquisitionError)
+            assert result.result.attempts == 2
+        else:
+            assert result.state == "IGNORED"
+    finally:
+        backend.release(lease)
+        backend.close()
+    assert charge.idempotency_status((8, 80)).state == "absent"

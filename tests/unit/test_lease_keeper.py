@@ -123,3 +123,75 @@ def test_stopped_renewals_do_not_pile_up_past_the_drain_threshold(monkeypatch):
         LeaseKeeper.stop(keeper.keep(provider, Lease("r", f"t{i}", 2 + i), ttl=60.0, interval=20.0))
     assert wait_for(lambda: len(keeper._heap) <= 65)
     assert provider.extends == {}
+
+
+# --------------------------------------------------------------------------- bounds, losses
+
+
+def test_each_renewal_attempt_waits_at_most_the_leases_remaining_time():
+    keeper = LeaseKeeper()
+    timeouts: list[float] = []
+
+    def renew(lease: Lease, ttl: float, timeout: float) -> bool:
+        timeouts.append(timeout)
+        return True
+
+    renewal = keeper.keep(
+        CountingProvider(), Lease("r", "t", 1), ttl=0.3, interval=0.1, renew=renew
+    )
+    assert wait_for(lambda: len(timeouts) >= 3)
+    LeaseKeeper.stop(renewal)
+    assert all(0 < t <= 0.3 for t in timeouts), timeouts
+    assert not renewal.lost
+
+
+def test_a_renewal_that_hangs_is_given_up_when_the_lease_runs_out(caplog):
+    """A renewer that never answers (a stalled network) is bounded by its timeout; once the
+    lease has run out the loss is logged once, with the last error."""
+    keeper = LeaseKeeper()
+
+    def hangs(lease: Lease, ttl: float, timeout: float) -> bool:
+        time.sleep(timeout)
+        raise TimeoutError("no reply")
+
+    with caplog.at_level("WARNING", logger="celery_idempotent"):
+        started = time.monotonic()
+        renewal = keeper.keep(
+            CountingProvider(), Lease("r", "t", 1), ttl=0.3, interval=0.1, renew=hangs
+        )
+        assert wait_for(lambda: renewal.lost, timeout=3)
+        lost_after = time.monotonic() - started
+        time.sleep(0.2)
+    assert lost_after < 1.0  # the lease (0.3 s) plus one bounded attempt, not a socket timeout
+    assert "renewals failed until it ran out" in str(renewal.cause)
+    assert "no reply" in str(renewal.cause)
+    lost = [r.getMessage() for r in caplog.records if " lost: " in r.getMessage()]
+    assert len(lost) == 1, lost
+    assert "lock r" in lost[0]
+
+
+def test_a_renewal_answered_not_ours_is_logged_once_with_its_cause(caplog):
+    keeper = LeaseKeeper()
+    answers: list[float] = []
+
+    def not_ours(lease: Lease, ttl: float, timeout: float) -> bool:
+        answers.append(timeout)
+        return False
+
+    with caplog.at_level("WARNING", logger="celery_idempotent"):
+        renewal = keeper.keep(
+            CountingProvider(),
+            Lease("r", "t", 7),
+            ttl=0.3,
+            interval=0.05,
+            renew=not_ours,
+            label="key #abc",
+        )
+        assert wait_for(lambda: renewal.lost)
+        time.sleep(0.2)
+    assert len(answers) == 1  # no renewal after the loss
+    assert "no longer held" in str(renewal.cause)
+    assert "before its 0.3s were up" in str(renewal.cause)  # gone early: not expiry
+    lost = [r.getMessage() for r in caplog.records if " lost: " in r.getMessage()]
+    assert len(lost) == 1
+    assert lost[0].startswith("celery-idempotent: lease of key #abc (fencing token 7) lost: ")

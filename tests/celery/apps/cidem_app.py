@@ -334,6 +334,83 @@ def boom(tag: str) -> str:
     return token()
 
 
+# --------------------------------------------------------------------------- every pool
+
+# A 1 s lease: a body of 3 s outlives it three times over, so it keeps its key only while its
+# lease is renewed.
+_SHORT_LEASE = {
+    "idempotency_lock_ttl": 1,
+    "idempotency_retry_count": 0,
+    "idempotency_retry_base_delay": 0.05,
+}
+
+
+def mark(kind: str, tag: str, n: int, what: str) -> None:
+    """Append ``<what>:<Redis time>:<pid>:<n>`` to the runs of ``kind``/``tag``."""
+    client().rpush(ckey(f"{kind}-runs", tag), f"{what}:{redis_now()}:{os.getpid()}:{n}")
+
+
+@app.task(base=IdempotentTask, **_SHORT_LEASE)
+def coop(tag: str, duration: float) -> dict[str, Any]:
+    """Waits cooperatively (``time.sleep`` yields under gevent/eventlet), like an HTTP call."""
+    n = bump("coop", tag)
+    mark("coop", tag, n, "start")
+    time.sleep(duration)
+    mark("coop", tag, n, "end")
+    return {"run": n, "token": token()}
+
+
+@app.task(base=IdempotentTask, **_SHORT_LEASE)
+def spin(tag: str, duration: float) -> dict[str, Any]:
+    """Computes for ``duration`` seconds without yielding to an event loop (a CPU loop)."""
+    n = bump("spin", tag)
+    mark("spin", tag, n, "start")
+    end = time.monotonic() + duration
+    loops = 0
+    while time.monotonic() < end:
+        loops += 1
+    mark("spin", tag, n, "end")
+    return {"run": n, "loops": loops, "token": token()}
+
+
+_LIMITED = {
+    "idempotency_lock_ttl": 2,
+    "idempotency_retry_count": 0,
+    "idempotency_retry_base_delay": 0.05,
+}
+
+
+def _limited_body(kind: str, tag: str, first_duration: float) -> dict[str, Any]:
+    """The first run takes ``first_duration`` seconds (long enough to be cut), later ones
+    0.1 s; each records its start and end (Redis time) and its fencing token."""
+    lease = current_lease()
+    assert lease is not None
+    n = bump(kind, tag)
+    client().set(ckey(f"{kind}-fence", tag, n), lease.fencing_token)
+    mark(kind, tag, n, "start")
+    time.sleep(first_duration if n == 1 else 0.1)
+    mark(kind, tag, n, "end")
+    return {"run": n, "token": token()}
+
+
+@app.task(base=IdempotentTask, **_LIMITED)
+def victim(tag: str, first_duration: float) -> dict[str, Any]:
+    """Revoked with ``terminate=True`` while it runs."""
+    return _limited_body("victim", tag, first_duration)
+
+
+@app.task(base=IdempotentTask, time_limit=1.5, **_LIMITED)
+def hard_limited(tag: str, first_duration: float) -> dict[str, Any]:
+    """Killed by its hard ``time_limit`` when the first run outlasts it."""
+    return _limited_body("hard_limited", tag, first_duration)
+
+
+@app.task(base=IdempotentTask, soft_time_limit=1.0, **_LIMITED)
+def soft_limited(tag: str, first_duration: float) -> dict[str, Any]:
+    """Interrupted by ``SoftTimeLimitExceeded`` when the first run outlasts the soft limit."""
+    return _limited_body("soft_limited", tag, first_duration)
+
+
 # --------------------------------------------------------------------------- signals
 
 SIGNALS = {

@@ -1,0 +1,410 @@
+"""What the ``idempotency`` commands share: where the keys are (:class:`Target`), the options
+(one :class:`KeySelection` for the ways to name a key), the output and the error messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from celery_idempotent import _redis, keyspace
+from celery_idempotent.exceptions import IdempotencyError, IdempotencyKeyMissingError
+from celery_idempotent.keyspace import task_key
+from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
+from celery_idempotent.urls import redact
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = [
+    "DEFAULT_BATCH",
+    "SAMPLE",
+    "KeySelection",
+    "Target",
+    "common_options",
+    "connect",
+    "emit_json",
+    "iso",
+    "key_options",
+    "parse_redis_name",
+    "print_pairs",
+    "print_table",
+    "progress",
+    "redis_errors",
+    "task_of_slot",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_BATCH = 1000
+#: How many names a dry run or a summary lists.
+SAMPLE = 10
+
+
+# --------------------------------------------------------------------------- names
+
+
+def parse_redis_name(name: str, prefix: str) -> tuple[str, str] | None:
+    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name
+    (see ``celery_idempotent.keyspace.parse_name``)."""
+    return keyspace.parse_name(name, prefix)
+
+
+def task_of_slot(slot: str) -> str | None:
+    """The task name at the start of a slot, or ``None``
+    (see ``celery_idempotent.keyspace.task_of_slot``)."""
+    return keyspace.task_of_slot(slot)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+class _UrlOverride:
+    """Reads like the app for ``settings.resolve`` (which only calls ``app.conf.get``), with
+    ``idempotency_url`` replaced by ``--url``: a non-Redis broker then needs no setting."""
+
+    def __init__(self, app: Any, url: str) -> None:
+        self._conf = app.conf
+        self._url = url
+        self.conf = self
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if name == "idempotency_url":
+            return self._url
+        if name == "idempotency_client":
+            return None
+        return self._conf.get(name, default)
+
+
+class _AppLevel:
+    """Stands for "no particular task" in ``settings.resolve``: app settings only."""
+
+    name = "<celery idempotency>"
+
+
+@dataclass
+class Target:
+    """Where the command works: the app, its resolved settings, a client and the prefix."""
+
+    app: Any
+    settings: IdempotencySettings
+    client: redis.Redis
+    url: str
+    prefix: str
+    task: Any = None
+    quiet: bool = False
+    #: The PostgreSQL backend when idempotency_url is postgresql:// or django:// (``client``
+    #: is then unused; see :mod:`celery_idempotent._pgcli`).
+    postgres: Any = None
+
+    def namespace(self, task_name: str) -> str:
+        """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
+        app's, for a task this app does not register), else the name itself."""
+        return self.settings.idempotency_namespace or task_name
+
+    @property
+    def shown_url(self) -> str:
+        """The URL without its password."""
+        return redact(self.url)
+
+    def accept(self) -> list[str]:
+        """The content types a stored result may be loaded from: as ``IdempotentTask``."""
+        conf = self.app.conf
+        found = conf.get("result_accept_content") or conf.get("accept_content") or ["json"]
+        return list(found)
+
+
+def _app_of(ctx: click.Context) -> tuple[Any, bool]:
+    """The Celery app (and the global ``--quiet``) from Celery's CLI context (``ctx.obj``)."""
+    app = getattr(ctx.obj, "app", None)
+    if app is None:
+        raise click.UsageError("run it as `celery -A proj idempotency ...` (no Celery app found)")
+    return app, bool(getattr(ctx.obj, "quiet", False))
+
+
+def _find_task(app: Any, name: str) -> Any:
+    """The registered task ``name`` (importing the app's task modules first), or ``None``."""
+    app.loader.import_default_modules()
+    return app.tasks.get(name)
+
+
+def connect(
+    ctx: click.Context, *, task_name: str | None, url: str | None, prefix: str | None
+) -> Target:
+    """Resolve the settings for ``task_name`` (or the app), apply overrides, make a client."""
+    app, quiet = _app_of(ctx)
+    task = _find_task(app, task_name) if task_name else None
+    source: Any = app if url is None else _UrlOverride(app, url)
+    try:
+        cfg = resolve(source, task if task is not None else _AppLevel())
+    except (TypeError, ValueError) as exc:
+        hint = " (or pass --url)" if url is None and "idempotency_url" in str(exc) else ""
+        raise click.UsageError(f"{exc}{hint}") from exc
+    if url is not None:
+        cfg = dataclasses.replace(cfg, idempotency_url=url, idempotency_client=None)
+    if prefix is not None:
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise click.BadParameter(
+                f"must be a non-empty string without braces, got {prefix!r}", param_hint="--prefix"
+            )
+        cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
+    if cfg.in_postgres:
+        from celery_idempotent import _pgcli  # noqa: PLC0415 - psycopg only when used
+
+        conf = app.conf
+        accept = list(conf.get("result_accept_content") or conf.get("accept_content") or [])
+        return Target(
+            app=app,
+            settings=cfg,
+            client=None,  # type: ignore[arg-type]
+            url=cfg.backend_url,
+            prefix=cfg.idempotency_key_prefix,
+            task=task,
+            quiet=quiet,
+            postgres=_pgcli.backend_for(cfg, accept),
+        )
+    if cfg.in_memory:
+        raise click.UsageError(
+            "idempotency_url is memory://: its keys live inside each worker process, where "
+            "this command cannot see them (pass --url redis://...)"
+        )
+    try:
+        if cfg.idempotency_client is not None:
+            client = make_client_from(cfg.idempotency_client, task_name=task_name)
+            backend = _client_label(client)
+        else:
+            backend = cfg.backend_url
+            client = _redis.make_client(None, backend, "--url / idempotency_url")
+    except (TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    return Target(
+        app=app,
+        settings=cfg,
+        client=client,
+        url=backend,
+        prefix=cfg.idempotency_key_prefix,
+        task=task,
+        quiet=quiet,
+    )
+
+
+def _client_label(client: Any) -> str:
+    """Where an ``idempotency_client`` points, for the output (no password)."""
+    pool: Any = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"sentinel master {service!r} (db {pool.connection_kwargs.get('db', 0)})"
+    if getattr(client, "nodes_manager", None) is not None:  # RedisCluster
+        names = sorted(node.name for node in client.get_primaries())
+        more = ", ..." if len(names) > 3 else ""
+        return f"cluster of {len(names)} primaries ({', '.join(names[:3])}{more})"
+    kwargs = getattr(pool, "connection_kwargs", {}) or {}
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    if "host" in kwargs:
+        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return type(client).__name__
+
+
+# --------------------------------------------------------------------------- output
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=repr))
+
+
+def print_pairs(rows: Sequence[tuple[str, str]]) -> None:
+    """Print ``label  value`` lines with the values aligned."""
+    width = max((len(label) for label, _ in rows), default=0)
+    for label, value in rows:
+        click.echo(f"{label:<{width}}  {value}")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print an aligned table: the first column left-aligned, the others right-aligned."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        parts = [
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i])
+            for i in range(len(headers))
+        ]
+        click.echo("  ".join(parts).rstrip())
+
+
+def progress(target: Target, message: str) -> None:
+    """A progress line on stderr (silenced by ``celery --quiet``)."""
+    if not target.quiet:
+        click.echo(message, err=True)
+
+
+def iso(at: float | None) -> str:
+    if at is None:
+        return "-"
+    moment = _dt.datetime.fromtimestamp(at, tz=_dt.timezone.utc)
+    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+# --------------------------------------------------------------------------- options
+
+
+def common_options(f: F) -> F:
+    """``--url``, ``--prefix`` and ``--json``: on every subcommand."""
+    f = click.option(
+        "--json", "as_json", is_flag=True, help="Print one JSON document (for scripts)."
+    )(f)
+    f = click.option(
+        "--prefix",
+        metavar="PREFIX",
+        help="Key prefix instead of the idempotency_key_prefix setting.",
+    )(f)
+    return click.option(
+        "--url",
+        metavar="URL",
+        help="Redis URL instead of the idempotency_url setting (or the Redis broker_url).",
+    )(f)
+
+
+def _json_arg(value: str | None, option: str, kind: type[Any]) -> Any:
+    if value is None:
+        return kind()
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from exc
+    if not isinstance(parsed, kind):
+        raise click.BadParameter(f"must be a JSON {kind.__name__}", param_hint=option)
+    return parsed
+
+
+def _args_key(
+    target: Target, task_name: str, args_json: str | None, kwargs_json: str | None
+) -> str:
+    """The key the registered task derives for a call with these arguments."""
+    task = target.task
+    if task is None or not callable(getattr(task, "idempotency_key_for", None)):
+        raise click.UsageError(
+            f"--args needs {task_name!r} to be a registered IdempotentTask of this app"
+        )
+    if target.settings.idempotency_key == "task_id":
+        raise click.UsageError(f"{task_name} is keyed by task id: use --task-id")
+    args = _json_arg(args_json, "--args", list)
+    kwargs = _json_arg(kwargs_json, "--kwargs", dict)
+    try:
+        return str(task.idempotency_key_for(tuple(args), kwargs))
+    except (TypeError, ValueError, IdempotencyKeyMissingError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--args/--kwargs") from exc
+
+
+@dataclass(frozen=True)
+class KeySelection:
+    """How a command was told which key: KEY (with ``--task``), ``--raw``, ``--task-id`` or
+    ``--args``/``--kwargs``. :func:`key_options` adds these to a command and hands it one."""
+
+    key: str | None = None
+    task_name: str | None = None
+    raw: bool = False
+    task_id: str | None = None
+    args_json: str | None = None
+    kwargs_json: str | None = None
+
+    @property
+    def names_a_key(self) -> bool:
+        """Whether one key is named (else ``forget`` takes every key of ``--task``)."""
+        named = (self.key, self.task_id, self.args_json, self.kwargs_json)
+        return self.raw or any(value is not None for value in named)
+
+    def resolve(self, target: Target) -> str:
+        """The namespaced key that KEY, ``--raw``, ``--task-id`` or ``--args`` names."""
+        key, task_name = self.key, self.task_name
+        by_args = self.args_json is not None or self.kwargs_json is not None
+        if [key is not None, self.task_id is not None, by_args].count(True) != 1:
+            raise click.UsageError("name one key: KEY, --task-id ID or --args JSON")
+        if self.raw:
+            if key is None:
+                raise click.UsageError("--raw needs KEY (the namespaced key or a Redis name)")
+            # A Redis name (record, lock or fence) carries the slot, and slot_key(slot) == slot:
+            # the slot reaches the same names, shortened keys included.
+            parsed = parse_redis_name(key, target.prefix)
+            return parsed[1] if parsed is not None else key
+        if task_name is None:
+            raise click.UsageError(
+                "--task NAME is needed: keys are namespaced by task name (or pass --raw with "
+                "the namespaced key)"
+            )
+        namespace = target.namespace(task_name)
+        if key is not None:
+            return task_key(namespace, "key", key)
+        if self.task_id is not None:
+            return task_key(namespace, "id", self.task_id)
+        return _args_key(target, task_name, self.args_json, self.kwargs_json)
+
+
+def key_options(f: F) -> F:
+    """KEY, ``--task``, ``--raw``, ``--task-id``, ``--args`` and ``--kwargs``, handed to the
+    command as one ``selection`` (a :class:`KeySelection`)."""
+
+    @functools.wraps(f)
+    def collect(
+        *args: Any,
+        key: str | None = None,
+        task_name: str | None = None,
+        raw: bool = False,
+        task_id: str | None = None,
+        args_json: str | None = None,
+        kwargs_json: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        selection = KeySelection(key, task_name, raw, task_id, args_json, kwargs_json)
+        return f(*args, selection=selection, **kwargs)
+
+    g: Any = collect
+    g = click.option(
+        "--kwargs",
+        "kwargs_json",
+        metavar="JSON",
+        help="With --args: keyword arguments as a JSON object.",
+    )(g)
+    g = click.option(
+        "--args",
+        "args_json",
+        metavar="JSON",
+        help="The key a call with these arguments (a JSON array) uses; the task must be "
+        "registered in the app.",
+    )(g)
+    g = click.option(
+        "--task-id", metavar="ID", help='The key of an idempotency_key="task_id" task.'
+    )(g)
+    g = click.option(
+        "--raw",
+        is_flag=True,
+        help="KEY is a namespaced key (<task>:args:<sha>, <task>:id:<id>, <task>:key:<key>) "
+        "or a Redis name (<prefix>{...}).",
+    )(g)
+    g = click.option(
+        "--task",
+        "task_name",
+        metavar="NAME",
+        help="The task's name: keys are namespaced by it.",
+    )(g)
+    return click.argument("key", required=False)(g)  # type: ignore[no-any-return]
+
+
+def redis_errors(fn: F) -> F:
+    """Report an unreachable or failing Redis as a one-line error (exit status 1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        redis_mod = _redis.import_redis()
+        try:
+            return fn(*args, **kwargs)
+        except (redis_mod.exceptions.RedisError, IdempotencyError, OSError) as exc:
+            raise click.ClickException(f"Redis failed: {exc}") from exc
+
+    return wrapper  # type: ignore[return-value]

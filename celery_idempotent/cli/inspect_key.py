@@ -1,0 +1,140 @@
+"""``celery -A proj idempotency inspect``: one key's state, record, lease and names."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+from celery.bin.base import CeleryCommand
+
+from celery_idempotent import keyspace
+from celery_idempotent.admin import KeyInfo, format_duration, read_key
+from celery_idempotent.cli.common import (
+    KeySelection,
+    Target,
+    common_options,
+    connect,
+    emit_json,
+    iso,
+    key_options,
+    print_pairs,
+    redis_errors,
+)
+from celery_idempotent.exceptions import RecordDecodeError
+
+__all__ = ["inspect"]
+
+
+@click.command(cls=CeleryCommand)
+@key_options
+@click.option(
+    "--show-result",
+    is_flag=True,
+    help="Also decode the stored result (only content types the app accepts).",
+)
+@common_options
+@click.pass_context
+@redis_errors
+def inspect(
+    ctx: click.Context,
+    *,
+    selection: KeySelection,
+    show_result: bool,
+    url: str | None,
+    prefix: str | None,
+    as_json: bool,
+) -> None:
+    """Show one key: completed, in progress (locked) or absent.
+
+    KEY is the user-level key (an explicit key such as payment-42, or a formatted one such as
+    order:42) of the task given with --task.
+    """
+    target = connect(ctx, task_name=selection.task_name, url=url, prefix=prefix)
+    nkey = selection.resolve(target)
+    if target.postgres is not None:
+        from celery_idempotent import _pgcli  # noqa: PLC0415
+
+        status = _pgcli.inspect(
+            target.postgres,
+            target.prefix,
+            nkey,
+            show_result=show_result,
+            as_json=as_json,
+            shown_url=target.shown_url,
+        )
+        ctx.exit(status)
+    info = read_key(target.client, target.prefix, nkey, with_data=show_result)
+    now = time.time()
+    result: Any = None
+    result_error: str | None = None
+    if show_result and info.record is not None:
+        result, result_error = _decode_result(target, info)
+
+    if as_json:
+        doc = info.as_json(now)
+        doc["prefix"] = target.prefix
+        doc["url"] = target.shown_url
+        if show_result and info.record is not None:
+            doc["result"] = result
+            doc["result_error"] = result_error
+        emit_json(doc)
+    else:
+        _print_key(info, now, show_result=show_result, result=result, error=result_error)
+    if result_error is not None:
+        ctx.exit(1)
+
+
+def _decode_result(target: Target, info: KeyInfo) -> tuple[Any, str | None]:
+    """The stored result decoded with the app's accept list, or the reason it was refused."""
+    from celery_idempotent.stores.redis import RedisIdempotencyStore  # noqa: PLC0415
+
+    accept = target.accept()
+    conf = target.app.conf
+    try:
+        store = RedisIdempotencyStore(
+            target.client, serializer=conf.get("result_serializer") or "json", accept=accept
+        )
+        if info.layout == keyspace.V1_VERSION:
+            return store.decode_v1(info.key, info.raw).result, None
+        return store.decode(info.key, info.raw).result, None
+    except (RecordDecodeError, TypeError, ValueError) as exc:
+        return None, str(exc)
+
+
+def _print_key(
+    info: KeyInfo, now: float, *, show_result: bool, result: Any, error: str | None
+) -> None:
+    states = {"completed": "completed", "in_progress": "in progress (locked)", "absent": "absent"}
+    rows: list[tuple[str, str]] = [("key", info.key), ("state", states[info.state])]
+    rec = info.record
+    if rec is not None:
+        rows += [
+            ("age", f"{format_duration(info.age(now))} (committed {iso(rec['committed_at'])})"),
+            ("ttl left", format_duration(info.record_ttl)),
+            ("fencing token", str(rec["fencing_token"] or "-")),
+            ("fingerprint", rec["fingerprint"] or "- (stored without input)"),
+            ("result", f"{rec['content_type']}, {rec['encoding']}, {rec['size']} bytes"),
+        ]
+    if info.lock_token is not None:
+        rows += [
+            ("holder", info.holder or "-"),
+            ("lease left", format_duration(info.lock_ttl)),
+        ]
+        if rec is None:
+            rows.append(("fencing token", f"{info.lease_fence or '-'} (current lease)"))
+    elif rec is not None:
+        rows.append(("lock", "free"))
+    if rec is None and info.lock_token is None and info.fence_value is not None:
+        rows.append(
+            ("last fence", f"{info.fence_value} (expires in {format_duration(info.fence_ttl)})")
+        )
+    rows += [("record name", info.record_name), ("lock name", info.lock_name)]
+    print_pairs(rows)
+    if show_result and rec is not None:
+        click.echo("")
+        if error is not None:
+            click.echo(f"result not shown: {error}", err=True)
+        else:
+            click.echo(json.dumps(result, indent=2, default=repr))
