@@ -49,12 +49,19 @@ from celery_idempotent.protocols import (
     IdempotencyStore,
     Lease,
     LockProvider,
+    PairsAtomically,
+    required_methods,
 )
 
 __all__ = ["DistributedIdempotencyGuard", "GuardEvent", "Outcome", "current_lease"]
 
 T = TypeVar("T")
 log = logging.getLogger("celery_idempotent")
+
+
+#: Between resends of a commit whose reply was lost: 0.05 s, doubling, at most 1 s, no jitter
+#: (one caller, nobody to fall out of step with).
+_RESEND = ExponentialJitterBackoff(0.05, 1.0, jitter="none")
 
 
 class _Absent:
@@ -141,8 +148,8 @@ class DistributedIdempotencyGuard:
         on_event: Callable[[GuardEvent], None] | None = None,
     ) -> None:
         for name, obj, methods in (
-            ("store", store, ("get", "set", "delete")),
-            ("lock_provider", lock_provider, ("acquire", "extend", "release")),
+            ("store", store, required_methods(IdempotencyStore)),
+            ("lock_provider", lock_provider, required_methods(LockProvider)),
         ):
             missing = [m for m in methods if not callable(getattr(obj, m, None))]
             if missing:
@@ -197,8 +204,9 @@ class DistributedIdempotencyGuard:
             self.retry_base_delay, self.retry_max_delay, random
         )
         self._on_event = on_event
-        atomic_with = getattr(store, "atomic_with", None)
-        self._atomic: AtomicBackend | None = atomic_with(lock_provider) if atomic_with else None
+        self._atomic: AtomicBackend | None = (
+            store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
+        )
 
     def __repr__(self) -> str:
         return (
@@ -407,7 +415,7 @@ class DistributedIdempotencyGuard:
         this lease's record is already there, "not the holder" otherwise), so it is sent again
         with back-off for up to ``lock_ttl`` seconds before the outcome is reported unknown.
         """
-        waited, delay = 0.0, 0.05
+        waited, resends = 0.0, 0
         wrote: list[bool] = []  # two-step path: a record write was sent (it may have landed)
         while True:
             try:
@@ -425,9 +433,10 @@ class DistributedIdempotencyGuard:
                 log.warning(
                     "commit of key #%s unconfirmed (%s); sending it again", key_digest(key), exc
                 )
+                delay = _RESEND.delay(resends)
                 self._sleep(delay, None)
                 waited += delay
-                delay = min(delay * 2, 1.0)
+                resends += 1
             except IdempotencyBackendError as exc:
                 # The backend refused the commit (not a lost reply): nothing was stored. The
                 # body's side effects happened, so the caller still gets its result.
