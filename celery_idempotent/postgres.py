@@ -364,6 +364,12 @@ class PostgresBackend:
             server = " ".join(f"-c tcp_keepalives_{k}={v}" for k, v in KEEPALIVES.items())
             kwargs["options"] = f"{given.get('options', '')} {server}".strip()
         kwargs.setdefault("application_name", given.get("application_name", "celery-idempotent"))
+        # No server-side prepared statements: psycopg prepares a statement at its fifth use,
+        # and when that use is in a pipeline that aborts (a claim that waited past
+        # lock_timeout), it still counts the statement as prepared, so every later claim on
+        # the connection failed with 'prepared statement "_pg3_N" does not exist'. Round
+        # trips are unchanged (each flight is one pipeline either way).
+        kwargs["prepare_threshold"] = None
         try:
             return psycopg.connect(self.url, **kwargs)
         except psycopg.OperationalError as exc:
