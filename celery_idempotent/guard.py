@@ -49,6 +49,8 @@ from celery_idempotent.protocols import (
     IdempotencyStore,
     Lease,
     LockProvider,
+    PairsAtomically,
+    required_methods,
 )
 
 __all__ = ["DistributedIdempotencyGuard", "GuardEvent", "Outcome", "current_lease"]
@@ -141,8 +143,8 @@ class DistributedIdempotencyGuard:
         on_event: Callable[[GuardEvent], None] | None = None,
     ) -> None:
         for name, obj, methods in (
-            ("store", store, ("get", "set", "delete")),
-            ("lock_provider", lock_provider, ("acquire", "extend", "release")),
+            ("store", store, required_methods(IdempotencyStore)),
+            ("lock_provider", lock_provider, required_methods(LockProvider)),
         ):
             missing = [m for m in methods if not callable(getattr(obj, m, None))]
             if missing:
@@ -197,8 +199,9 @@ class DistributedIdempotencyGuard:
             self.retry_base_delay, self.retry_max_delay, random
         )
         self._on_event = on_event
-        atomic_with = getattr(store, "atomic_with", None)
-        self._atomic: AtomicBackend | None = atomic_with(lock_provider) if atomic_with else None
+        self._atomic: AtomicBackend | None = (
+            store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
+        )
 
     def __repr__(self) -> str:
         return (

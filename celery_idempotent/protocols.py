@@ -17,6 +17,8 @@ __all__ = [
     "IdempotencyStore",
     "Lease",
     "LockProvider",
+    "PairsAtomically",
+    "required_methods",
 ]
 
 
@@ -108,3 +110,22 @@ class AtomicBackend(Protocol):
     def claim(self, resource: str, key: str, ttl: float) -> Claim: ...
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool: ...
+
+
+@runtime_checkable
+class PairsAtomically(Protocol):
+    """A store that can offer an :class:`AtomicBackend` for a lock provider it shares a server
+    with (``None`` when it cannot: another server, another kind of provider). The guard then
+    claims and commits through that one backend."""
+
+    def atomic_with(self, lock_provider: Any) -> AtomicBackend | None:
+        """The atomic backend of this store and ``lock_provider``, or ``None``."""
+
+
+def required_methods(protocol: type) -> tuple[str, ...]:
+    """The methods ``protocol`` declares, in declaration order (what the guard checks for)."""
+    return tuple(
+        name
+        for name, value in vars(protocol).items()
+        if not name.startswith("_") and callable(value)
+    )
