@@ -115,7 +115,8 @@ class IdempotencySettings:
     #: what a delivery that finds the key still held does: ``"retry"`` (re-queue with a
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
     #: (``LockAcquisitionError``), ``"ignore"`` (Celery ``Ignore``) or ``"reject"`` (Celery
-    #: ``Reject(requeue=False)``: a broker's dead-letter exchange takes the duplicate).
+    #: ``Reject(requeue=False)``: with ``task_acks_late``, a broker's dead-letter exchange takes the
+    #: duplicate).
     idempotency_on_locked: str = setting("retry", one_of(ON_LOCKED_POLICIES))
     #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
     #: before it counts; 0: do not wait. For Sentinel setups, see "Sentinel and Redis
