@@ -59,6 +59,11 @@ T = TypeVar("T")
 log = logging.getLogger("celery_idempotent")
 
 
+#: Between resends of a commit whose reply was lost: 0.05 s, doubling, at most 1 s, no jitter
+#: (one caller, nobody to fall out of step with).
+_RESEND = ExponentialJitterBackoff(0.05, 1.0, jitter="none")
+
+
 class _Absent:
     def __repr__(self) -> str:
         return "<absent>"
@@ -412,7 +417,7 @@ class DistributedIdempotencyGuard:
         this lease's record is already there, "not the holder" otherwise), so it is sent again
         with back-off for up to ``lock_ttl`` seconds before the outcome is reported unknown.
         """
-        waited, delay = 0.0, 0.05
+        waited, resends = 0.0, 0
         wrote: list[bool] = []  # two-step path: a record write was sent (it may have landed)
         while True:
             try:
@@ -430,9 +435,10 @@ class DistributedIdempotencyGuard:
                 log.warning(
                     "commit of key #%s unconfirmed (%s); sending it again", key_digest(key), exc
                 )
+                delay = _RESEND.delay(resends)
                 self._sleep(delay, None)
                 waited += delay
-                delay = min(delay * 2, 1.0)
+                resends += 1
             except IdempotencyBackendError as exc:
                 # The backend refused the commit (not a lost reply): nothing was stored. The
                 # body's side effects happened, so the caller still gets its result.

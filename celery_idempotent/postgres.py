@@ -47,7 +47,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from celery_idempotent import _txn
+from celery_idempotent import _green, _txn
 from celery_idempotent._validate import check_duration
 from celery_idempotent.exceptions import (
     IdempotencyConnectionError,
@@ -237,6 +237,12 @@ class PostgresBackend:
             server = " ".join(f"-c tcp_keepalives_{k}={v}" for k, v in KEEPALIVES.items())
             kwargs["options"] = f"{given.get('options', '')} {server}".strip()
         kwargs.setdefault("application_name", given.get("application_name", "celery-idempotent"))
+        # No server-side prepared statements: psycopg prepares a statement at its fifth use,
+        # and when that use is in a pipeline that aborts (a claim that waited past
+        # lock_timeout), it still counts the statement as prepared, so every later claim on
+        # the connection failed with 'prepared statement "_pg3_N" does not exist'. Round
+        # trips are unchanged (each flight is one pipeline either way).
+        kwargs["prepare_threshold"] = None
         try:
             return psycopg.connect(self.url, **kwargs)
         except psycopg.OperationalError as exc:
@@ -777,7 +783,27 @@ def _psycopg() -> Any:
         raise ImportError(
             "the PostgreSQL backend needs psycopg 3: pip install 'celery-idempotent[postgres]'"
         ) from exc
+    if _green.runtime() is not None:
+        _cooperative_wait(psycopg)
     return psycopg
+
+
+def _cooperative_wait(psycopg: Any) -> None:
+    """Make psycopg wait for the server through the green hub, not in a C ``poll``.
+
+    psycopg picks its wait function when it is imported: a C ``poll`` (``wait_c``) unless
+    gevent has patched ``select``. Eventlet is not detected (and gevent is not when psycopg
+    was imported before patching), so every query, and a claim that waits up to
+    ``lock_timeout`` for a key's holder, froze the whole event loop: under ``-P eventlet``
+    the holder's body could not even run to end its transaction while the duplicate waited.
+    ``wait_select`` calls ``select.select``, which both libraries patch to yield to the hub
+    (their ``select`` has no ``FD_SETSIZE`` limit). Connection set-up (``wait_conn``) uses
+    ``selectors.DefaultSelector``, which they patch too.
+    """
+    waiting = psycopg.waiting
+    native = getattr(waiting, "wait_c", None)
+    if native is not None and waiting.wait is native:
+        waiting.wait = waiting.wait_select
 
 
 def _jitter() -> float:

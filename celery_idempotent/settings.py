@@ -118,7 +118,8 @@ class IdempotencySettings:
     #: what a delivery that finds the key still held does: ``"retry"`` (re-queue with a
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
     #: (``LockAcquisitionError``), ``"ignore"`` (Celery ``Ignore``) or ``"reject"`` (Celery
-    #: ``Reject(requeue=False)``: a broker's dead-letter exchange takes the duplicate).
+    #: ``Reject(requeue=False)``: with ``task_acks_late``, a broker's dead-letter exchange takes the
+    #: duplicate).
     idempotency_on_locked: str = setting("retry", one_of(ON_LOCKED_POLICIES))
     #: what ``apply_async``/``delay`` does with a call whose key is already completed, queued
     #: or running (one Redis round trip at publish): ``"existing"`` (publish nothing; return

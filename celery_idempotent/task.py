@@ -30,6 +30,7 @@ from celery_idempotent import _green, admin, keyspace, signals
 from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent._redis import SentinelClientFactory, import_redis, make_client
 from celery_idempotent.admin import Forgotten, IdempotencyStatus
+from celery_idempotent.backoff import ExponentialJitterBackoff
 from celery_idempotent.exceptions import (
     DuplicatePublishError,
     IdempotencyBackendError,
@@ -101,8 +102,8 @@ def requeue_countdown(requeues: int, base: float, rand: float, cap: float) -> fl
     """Seconds before a duplicate re-queued ``requeues`` times so far is delivered again:
     ``base * 2**requeues`` capped at ``cap``, times a jitter of ``0.5 + rand / 2`` (``rand``
     in [0, 1)) so that the duplicates of one key do not arrive in lockstep."""
-    grown: float = max(base, 0.05) * 2 ** min(requeues, 16)
-    return min(cap, grown) * (0.5 + rand / 2)
+    backoff = ExponentialJitterBackoff(max(base, 0.05), cap, lambda: rand, jitter="equal")
+    return backoff.delay(requeues)
 
 
 #: RabbitMQ's dead-lettering headers. Celery drops them when it re-publishes a retry: a message

@@ -1,12 +1,14 @@
-"""The README is the user's manual: what it states about commands and defaults must be true."""
+"""The README is the front door: its two commands, a short tour and links into the docs.
+
+What it states about commands must be true, and every link must lead somewhere. The manual
+itself (settings reference, guarantees, recipes) lives in ``docs/`` and is checked by
+``tests/docs``; the README's own examples run there too.
+"""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
-
-from celery_idempotent.settings import DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -31,25 +33,20 @@ def test_demo_command_runs_the_example_project() -> None:
     assert (ROOT / "example_project" / "__main__.py").is_file()
 
 
-def _settings_table() -> dict[str, str]:
-    start = README.index("<!-- settings-table")
-    rows: dict[str, str] = {}
-    for line in README[start:].splitlines()[1:]:
-        if not line.startswith("|"):
-            if rows:
-                break
-            continue
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        name = cells[0].strip("`")
-        if name.startswith("idempotency_"):
-            rows[name] = cells[1].strip("`")
-    return rows
-
-
-def test_settings_table_matches_the_code_defaults() -> None:
-    table = _settings_table()
-    assert list(table) == list(DEFAULTS), "README settings table: names or order differ"
-    for name, text in table.items():
-        assert ast.literal_eval(text) == DEFAULTS[name], (
-            f"README says {name} defaults to {text}, the code says {DEFAULTS[name]!r}"
-        )
+def test_every_link_resolves_and_every_docs_page_is_linked() -> None:
+    links = re.findall(r"\]\(([^)\s]+)\)", README)
+    local = [link for link in links if "://" not in link]
+    for link in local:
+        path, _, anchor = link.partition("#")
+        if path:
+            assert (ROOT / path).is_file(), f"README links to a missing file: {link}"
+        else:
+            heading = anchor.replace("-", " ")
+            assert re.search(rf"^#+ {re.escape(heading)}$", README, re.I | re.M), link
+    pages = {
+        str(page.relative_to(ROOT))
+        for page in (ROOT / "docs").rglob("*.md")
+        if "_ext" not in page.parts
+    }
+    unlinked = pages - {link.partition("#")[0] for link in local}
+    assert not unlinked, f"README's documentation list misses {sorted(unlinked)}"

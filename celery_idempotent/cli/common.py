@@ -27,6 +27,7 @@ __all__ = [
     "SAMPLE",
     "KeySelection",
     "Target",
+    "batch_size_option",
     "common_options",
     "connect",
     "emit_json",
@@ -344,6 +345,17 @@ class KeySelection:
         if self.task_id is not None:
             return task_key(namespace, "id", self.task_id)
         return _args_key(target, task_name, self.args_json, self.kwargs_json)
+
+
+def batch_size_option(help: str) -> Callable[[F], F]:
+    """``--batch-size`` (names per SCAN or per pipelined batch), with ``help``."""
+    return click.option(
+        "--batch-size",
+        type=click.IntRange(1, 100_000),
+        default=DEFAULT_BATCH,
+        show_default=True,
+        help=help,
+    )
 
 
 def key_options(f: F) -> F:

@@ -9,9 +9,9 @@ from celery.bin.base import CeleryCommand
 
 from celery_idempotent.admin import forget_key, forget_plan, held_lock_reason, read_key
 from celery_idempotent.cli.common import (
-    DEFAULT_BATCH,
     KeySelection,
     Target,
+    batch_size_option,
     common_options,
     connect,
     emit_json,
@@ -48,13 +48,7 @@ __all__ = ["forget"]
     help="Also delete the fence keys (the last fencing token of each key, kept 7 days; they "
     "name the key). Safe: a new token is never below the server's clock in µs.",
 )
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1, 100_000),
-    default=DEFAULT_BATCH,
-    show_default=True,
-    help="SCAN COUNT and names deleted per pipelined round trip.",
-)
+@batch_size_option("SCAN COUNT and names deleted per pipelined round trip.")
 @common_options
 @click.pass_context
 @redis_errors

@@ -7,7 +7,7 @@ from celery.bin.base import CeleryCommand
 
 from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import (
-    DEFAULT_BATCH,
+    batch_size_option,
     common_options,
     connect,
     emit_json,
@@ -22,13 +22,7 @@ __all__ = ["stats"]
 
 @click.command(cls=CeleryCommand)
 @click.option("--task", "task_name", metavar="NAME", help="Count only this task's keys.")
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1, 100_000),
-    default=DEFAULT_BATCH,
-    show_default=True,
-    help="SCAN COUNT.",
-)
+@batch_size_option("SCAN COUNT.")
 @common_options
 @click.pass_context
 @redis_errors

@@ -16,11 +16,13 @@ from typing import Any
 
 MARKER = "<!-- settings-reference -->"
 
+_MODULE = re.compile(r":mod:`~?([^`]+)`")
 _ROLE = re.compile(r":(?:class|func|meth|data|attr|exc|mod):`~?([^`]+)`")
 
 
 def _markdown(text: str) -> str:
     """reST inline markup of the code's comments as Markdown."""
+    text = _MODULE.sub(lambda m: f"`{m.group(1)}`", text)  # a module keeps its dotted name
     text = _ROLE.sub(lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", text)
     return text.replace("``", "`")
 

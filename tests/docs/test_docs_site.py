@@ -224,7 +224,7 @@ def test_the_settings_reference_fails_the_build_for_an_undocumented_setting(
 
 
 def test_the_examples_run(idempotency_redis: Any) -> None:
-    pages = [str(p) for p in _pages()]
+    pages = [str(ROOT / "README.md")] + [str(p) for p in _pages()]
     run = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("run_examples.py")), *pages],
         cwd=ROOT,
@@ -243,7 +243,7 @@ def test_the_examples_run(idempotency_redis: Any) -> None:
     assert counts["not run"] <= 5, [r for r in report if r["status"] == "not run"]
     assert counts["snippet"] >= 4, counts
     ran_on = {r["page"] for r in report if r["status"] == "ran"}
-    for page in ("docs/getting-started.md", "docs/recipes/http.md", "docs/guard.md"):
+    for page in ("README.md", "docs/getting-started.md", "docs/recipes/http.md", "docs/guard.md"):
         assert page in ran_on, page
 
 

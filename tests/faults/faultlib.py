@@ -187,13 +187,16 @@ def fault_env(
     lock_ttl: float,
     marks_url: str | None = None,
     visibility_timeout: float | None = None,
+    broker_url: str | None = None,
 ) -> Iterator[FaultEnv]:
     """A :class:`FaultEnv`: broker and results on ``broker`` (db 1 and 2), marks on ``broker``
     (db 3) unless ``marks_url`` is given, locks and records at ``idem_url``. A short
-    ``visibility_timeout`` brings back the unacked messages of a worker killed as a whole."""
+    ``visibility_timeout`` brings back the unacked messages of a worker killed as a whole.
+    ``broker_url`` (e.g. RabbitMQ) replaces the Redis broker; results and marks stay on
+    ``broker``."""
     tag = uuid.uuid4().hex[:8]
     config: dict[str, Any] = {
-        "broker_url": broker.url_for(db=1),
+        "broker_url": broker_url or broker.url_for(db=1),
         "backend_url": broker.url_for(db=2),
         "idem_url": idem_url,
         "marks_url": marks_url or broker.url_for(db=3),

@@ -2,7 +2,7 @@
 
 A duplicate that finds its key held is re-queued with a countdown that doubles up to a minute
 (it was capped at 5 s). A real worker shows that the deliveries of one duplicate, while its
-key stays held for 12 s, follow the schedule; the messages per waiting duplicate per hour,
+key stays held for 8 s, follow the schedule; the messages per waiting duplicate per hour,
 before and after, are computed from that same schedule.
 """
 
@@ -75,7 +75,7 @@ def per_hour(cap: float, base: float = 0.05, hours: int = 200) -> float:
 def test_a_waiting_duplicate_is_re_published_as_the_schedule_says(
     redis_server_factory: Callable[..., RedisServer],
 ) -> None:
-    window = 12.0
+    window = 8.0
     measured = requeue_rate(redis_server_factory(), window)
     # Give or take the jitter (and one delivery of slack for a busy worker).
     fewest = deliveries_within(window, MAX_REQUEUE_COUNTDOWN, 1.0) - 1

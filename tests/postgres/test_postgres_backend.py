@@ -169,6 +169,38 @@ def test_a_duplicate_waits_on_the_row_lock_and_replays(pg_backend: PostgresBacke
     assert results[0].value == "first"
 
 
+def test_a_claim_that_times_out_leaves_its_connection_usable(
+    postgres_url: str, pg_table: str
+) -> None:
+    """A claim that waits past ``lock_timeout`` aborts its pipeline. psycopg prepares a
+    statement on the server at its fifth use (``prepare_threshold``); when that use is in a
+    pipeline that aborts, psycopg still records the statement as prepared, and every later
+    claim on the pooled connection failed with ``prepared statement "_pg3_N" does not exist``
+    (seen under eventlet, where claims time out often). Whichever claim times out, the
+    connection must stay usable."""
+    holder = PostgresBackend(postgres_url, table=pg_table, lock_timeout=0.05)
+    held = holder.claim("r", "hot", 10)
+    assert held.lease is not None
+    try:
+        for warm in range(8):  # the contended claim is the connection's 1st ... 9th
+            backend = PostgresBackend(postgres_url, table=pg_table, lock_timeout=0.05, max_idle=1)
+            try:
+                for index in range(warm):
+                    claim = backend.claim("r", f"warm-{warm}-{index}", 10)
+                    assert claim.lease is not None
+                    backend.release(claim.lease)
+                assert backend.claim("r", "hot", 10) == (None, None)  # timed out: held
+                for index in range(6):
+                    claim = backend.claim("r", f"after-{warm}-{index}", 10)
+                    assert claim.lease is not None, (warm, index)
+                    backend.release(claim.lease)
+            finally:
+                backend.close()
+    finally:
+        holder.release(held.lease)
+        holder.close()
+
+
 def test_cleanup_deletes_expired_rows_in_bounded_batches(
     pg_backend: PostgresBackend, postgres_url: str, pg_table: str
 ) -> None:

@@ -157,3 +157,22 @@ def test_event_sleep_returns_whether_it_was_aborted():
     abort.set()
     assert event_sleep(30, abort) is True  # returns at once: the event is already set
     assert event_sleep(0, abort) is True
+
+
+def test_the_commit_resend_back_off_doubles_from_50ms_to_1s_without_jitter() -> None:
+    from celery_idempotent.guard import _RESEND
+
+    assert [_RESEND.delay(i) for i in range(8)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+
+
+def test_equal_jitter_caps_then_scales_by_half_to_one() -> None:
+    low = ExponentialJitterBackoff(0.1, 5.0, lambda: 0.0, jitter="equal")
+    high = ExponentialJitterBackoff(0.1, 5.0, lambda: 0.999, jitter="equal")
+    assert low.delay(0) == 0.05
+    assert low.delay(10) == 2.5  # 0.1 * 1024 capped at 5, times 0.5
+    assert high.delay(10) == 5.0 * (0.5 + 0.999 / 2)
+
+
+def test_an_unknown_jitter_is_refused() -> None:
+    with pytest.raises(ValueError, match="jitter"):
+        ExponentialJitterBackoff(0.1, jitter="full")  # type: ignore[arg-type]
