@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .harness import campaign, make_plan, make_two_step_plan, run_plan, shrink
+from .harness import campaign, make_plan, make_publish_plan, make_two_step_plan, run_plan, shrink
 from .mutants import BY_NAME
 
 
@@ -33,11 +33,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the guard's two-step path (store and lock apart), without client resends and "
         "network delays",
     )
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="standalone publishes (the library's PUBLISH decision) among the guard workers",
+    )
     parser.add_argument("--no-shrink", action="store_true", help="print the unshrunk trace")
     parser.add_argument("--progress", type=int, default=0, help="print a line every N schedules")
     args = parser.parse_args(argv)
     mutant = BY_NAME[args.mutant] if args.mutant else None
     make = make_two_step_plan if args.two_step else make_plan
+    if args.publish or (mutant is not None and mutant.publish):
+        make = make_publish_plan
     if mutant is not None:
         mutant.check()
 

@@ -90,6 +90,8 @@ _ROLES = {
     "ACQUIRE": "acquire",
     "SET_RECORD": "set_record",
     "READ_KEY": "read_key",
+    "PUBLISH": "publish",
+    "DROP_QUEUED": "drop_queued",
 }
 
 
@@ -142,6 +144,8 @@ class KeyView:
     record_fence: int | None
     record_expire_ms: int | None
     record_fp: str | None
+    # a queued marker under the record's name: (task id, fingerprint, write stamp, expiry)
+    marker: tuple[str, str | None, int, int | None] | None = None
 
 
 _NO_VALUE = object()
@@ -161,6 +165,12 @@ class Layout:
         fence = server.peek(self.fence)
         rec = server.peek(self.record)
         holder = None if lock is None else lock.value.decode()
+        marker = None
+        if rec is not None and rec.kind == "string" and _keyspace is not None:
+            parsed = _keyspace.parse_queued(rec.value)
+            if parsed is not None:
+                marker = (parsed[0], parsed[1], rec.version, rec.expire_ms)
+                rec = None
         value, rfence, fp = (None, None, None) if rec is None else decode_record(rec)
         return KeyView(
             holder=holder,
@@ -171,6 +181,7 @@ class Layout:
             record_fence=rfence,
             record_expire_ms=None if rec is None else rec.expire_ms,
             record_fp=fp,
+            marker=marker,
         )
 
     @staticmethod
@@ -391,3 +402,14 @@ def forget(client: Any, key: str) -> bool:
     """The explicit forget: the store's ``delete`` of the key's record."""
     store = RedisIdempotencyStore(client)
     return store.delete(record_key(PREFIX, key))
+
+
+def check_publish(
+    client: Any, key: str, task_id: str, fingerprint: str | None, publish_ttl: float
+) -> Any:
+    """The publish-side decision of ``apply_async``: the real store's ``check_publish`` (the
+    library's ``PUBLISH`` script) for ``key``, with the names the guard uses."""
+    store = RedisIdempotencyStore(client)
+    return store.check_publish(
+        record_key(PREFIX, key), lock_resource(PREFIX, key), task_id, fingerprint, publish_ttl
+    )

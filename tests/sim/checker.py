@@ -31,6 +31,13 @@ Invariants (``Violation.rule``):
 - ``failed-body``: a failed body stores nothing, and its exception reaches the caller.
 - ``report``: a call reported as committed stored its value; one reported as not committed
   (``LockLostError``) left no live record of its value.
+- ``publish``: the publish-side decision (the ``PUBLISH`` script), judged by the server's
+  state at the moment the script ran: a key with a live record yields no new message; a key
+  queued under another task id yields no second message, and one queued under another
+  fingerprint is refused as a mismatch; a marker is set only on a key with no record, no
+  other marker and no live lease.
+- ``marker``: a queued marker never overwrites or removes a record (``overwrite``), and ends
+  only by the commit that replaces it, its own task's drop, its expiry, a forget or data loss.
 - ``abandon``: a holder told "not ours" by a renewal sends no more renewals or commits for
   that lease.
 
@@ -43,6 +50,7 @@ not go back, which the README states; the checker asserts exactly that.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -118,6 +126,8 @@ class Checker:
         self.lost_known: set[str] = set()  # tokens whose holder was told "not ours"
         self.commit_sent: set[str] = set()
         self.late_starts = 0
+        self.unchecked_publishes = 0
+        self.marker_ends: Counter[str] = Counter()
         self.excused_fences = 0
         self.reruns_after_loss = 0
         self.committed_values: dict[Any, str] = {}  # value -> token of the commit
@@ -289,9 +299,89 @@ class Checker:
                     "lease-end",
                     f"{proc}'s {role} changed the lease of {short(new.holder)} on {key}",
                 )
+            # -- the queued marker
+            if old.marker is not None and (new.marker is None or new.marker[2] != old.marker[2]):
+                self._marker_ended(key, old, new, ctx)
             # -- the record
             if old.record_stamp != new.record_stamp:
                 self._record_changed(key, ks, old, new, ctx)
+
+    def _marker_ended(self, key: str, old: KeyView, new: KeyView, ctx: _Ctx) -> None:
+        proc, role, _token, cause, now_ms = ctx
+        assert old.marker is not None
+        expired = old.marker[3] is not None and old.marker[3] <= now_ms
+        replaced = new.record_stamp is not None  # a write of the record (its rules judge it)
+        if new.marker is not None and new.marker[0] == old.marker[0] and role == "publish":
+            return  # its own publish sent again (the same task id): the same marker
+        if replaced:
+            self.marker_ends["replaced by a commit"] += 1
+            return
+        if role in ("forget", "drop_queued"):
+            self.marker_ends[f"ended by {role}"] += 1
+            return
+        if expired or cause in ("data-loss", "time"):
+            self.marker_ends["expired or lost"] += 1
+            return
+        raise self.violated(
+            "marker",
+            f"the queued marker of {old.marker[0]} on {key} was "
+            f"{'replaced' if new.marker or new.record_stamp else 'removed'} by "
+            f"{proc or 'nobody'}'s {role}",
+        )
+
+    def publish_applied(
+        self, proc: str, key: str, call: tuple[str, str | None], before: KeyView, reply: Any
+    ) -> str:
+        """Judge one run of the publish script against the state it ran on; the decision."""
+        task_id, fp = call
+        status = int(reply[0]) if isinstance(reply, list) and reply else -1
+        message = status in (1, 7)  # the caller publishes (7: unchecked, the guard decides)
+        now_ms = self.server.now_ms()
+        if before.record_stamp is not None and message:
+            raise self.violated(
+                "publish",
+                f"{proc}'s publish of {task_id} on completed {key} "
+                f"(record {before.record_value!r}) answered {status}: a new message",
+            )
+        marker = before.marker
+        if marker is not None and marker[0] != task_id:
+            if message:
+                raise self.violated(
+                    "publish",
+                    f"{proc}'s publish of {task_id} on {key}, queued as {marker[0]}, "
+                    f"answered {status}: a second message",
+                )
+            if marker[1] and fp and marker[1] != fp and status != 5:
+                raise self.violated(
+                    "publish",
+                    f"{proc}'s publish of {task_id} on {key} with fingerprint {fp}, queued "
+                    f"with {marker[1]}, answered {status}: not refused as a mismatch",
+                )
+        live = before.holder is not None and (
+            before.holder_expire_ms is None or before.holder_expire_ms > now_ms
+        )
+        after = self.keys[key].layout.view(self.server)
+        over = (
+            "a record"
+            if before.record_stamp is not None
+            else "a marker"
+            if marker is not None and marker[0] != task_id
+            else "a live lease"
+            if live
+            else None
+        )
+        new_marker = after.marker is not None and (
+            before.marker is None or before.marker[2] != after.marker[2]
+        )
+        if new_marker and over is not None:
+            raise self.violated(
+                "publish", f"{proc}'s publish set the marker of {task_id} on {key} over {over}"
+            )
+        if status == 7:
+            self.unchecked_publishes += 1
+        return {1: "publish", 2: "completed", 3: "completed", 5: "mismatch", 6: "queued"}.get(
+            status, "unchecked"
+        )
 
     def _lease_ended(self, key: str, old: KeyView, ctx: _Ctx) -> None:
         proc, role, token, cause, now_ms = ctx

@@ -36,7 +36,7 @@ from .checker import Checker, Violation, reset_aliases, short
 from .server import SimRedis
 from .world import Killed, Network, Process, SimClient, World
 
-__all__ = ["Plan", "Result", "make_plan", "run_plan", "shrink"]
+__all__ = ["Plan", "Publish", "Result", "make_plan", "make_publish_plan", "run_plan", "shrink"]
 
 FAULT_KINDS = (
     "pause",
@@ -68,6 +68,17 @@ class Fault:
 
 
 @dataclass
+class Publish:
+    """A standalone publish (``apply_async``'s decision) of ``key`` as ``task_id``."""
+
+    at: float
+    key: int
+    task_id: str
+    fingerprint: str | None = None
+    duration: float = 0.1  # the body of the delivered message, when it is published
+
+
+@dataclass
 class Plan:
     seed: int
     keys: int
@@ -82,11 +93,14 @@ class Plan:
     snapshot_every: float = 0.0
     horizon: float = 120.0
     split: bool = False  # store and lock provider on two clients: the guard's two-step path
+    publishes: list[Publish] = field(default_factory=list)
+    publish_ttl: float = 30.0
 
     def size(self) -> int:
         return (
             sum(len(w) for w in self.workers)
             + len(self.faults)
+            + len(self.publishes)
             + self.keys
             + sum(1 for k, v in self.net.items() if v and k != "max_delay")
         )
@@ -104,6 +118,11 @@ class Plan:
                 f"k{c.key}({c.duration:.2f}s{' fails' if c.fails else ''})" for c in calls
             )
             lines.append(f"  w{i}: {text}")
+        for p in self.publishes:
+            lines.append(
+                f"  publish at {p.at:.3f}s: k{p.key} as {p.task_id} (fingerprint "
+                f"{p.fingerprint}, publish_ttl {self.publish_ttl:g}s)"
+            )
         for f in self.faults:
             lines.append(f"  fault at {f.at:.3f}s: {fault_text(f)}")
         return "\n".join(lines)
@@ -209,6 +228,28 @@ def make_two_step_plan(seed: int) -> Plan:
     return dataclasses.replace(plan, client_retries=0, net={**plan.net, "delay": 0.0})
 
 
+def make_publish_plan(seed: int) -> Plan:
+    """A plan whose guard workers run interleaved with standalone publishes (the library's
+    ``PUBLISH`` decision) of the same keys: new task ids, the same task id sent again, and
+    fingerprints that agree or not. The publishes are drawn from a stream of their own, so
+    the rest of the plan is :func:`make_plan`'s for that seed."""
+    plan = make_plan(seed)
+    rng = random.Random(f"publish-{seed}")
+    pubs: list[Publish] = []
+    for i in range(rng.randint(2, 6)):
+        if pubs and rng.random() < 0.2:  # the same call published again (a client resend)
+            prev = rng.choice(pubs)
+            at = round(rng.uniform(0, 6.0), 4)
+            pubs.append(dataclasses.replace(prev, at=at))
+            continue
+        fp = rng.choice(("fa", "fa", "fb", None))
+        at = round(rng.choice((rng.uniform(0, 0.5), rng.uniform(0, 6.0))), 4)
+        duration = round(rng.uniform(0, 2 * plan.lock_ttl), 4)
+        pubs.append(Publish(at, rng.randrange(plan.keys), f"t{i}", fp, duration))
+    pubs.sort(key=lambda p: p.at)
+    return dataclasses.replace(plan, publishes=pubs, publish_ttl=rng.choice((30.0, 2.0)))
+
+
 @dataclass
 class Result:
     plan: Plan
@@ -218,6 +259,7 @@ class Result:
     checks: int = 0
     requests: int = 0
     faults: Counter[str] = field(default_factory=Counter)
+    publishes: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     unfinished: int = 0
     late_starts: int = 0
@@ -272,6 +314,7 @@ class _Run:
         self.result = Result(plan, None, self.world.trace)
         self.violation: Violation | None = None
         self.value_seq = 0
+        self.publishes_done = 0
 
     # -- observer ---------------------------------------------------------------------------
 
@@ -309,7 +352,15 @@ class _Run:
                     if edited is None:
                         edited = self.edited[script] = self.mutant.script_edit(script)
                     script = edited
+                before = self._publish_before(role, keys)
                 reply = self.server.eval(script, keys, args)
+                if before is not None:
+                    key, view = before
+                    task_id, fp = (_text(a) for a in args[:2])
+                    decision = self.checker.publish_applied(
+                        proc, key, (task_id, fp or None), view, reply
+                    )
+                    self.result.publishes[f"script:{decision}"] += 1
             else:
                 reply = self.server.command([_arg(a) for a in body])
         finally:
@@ -322,6 +373,15 @@ class _Run:
             )
         self._last_reply = reply
         return reply
+
+    def _publish_before(self, role: str, keys: list[Any]) -> tuple[str, Any] | None:
+        """(key, its state) just before a publish script runs, for the checker."""
+        if role != "publish" or not self.server.up:
+            return None
+        key = self._keyname(("eval", (None, keys, None)))
+        if key not in self.checker.keys:
+            return None
+        return key, self.checker.keys[key].layout.view(self.server)
 
     def sending(self, client: SimClient, request: tuple[str, Any]) -> tuple[str, Any]:
         """Called in the sending greenlet: what the request is, for the checker."""
@@ -482,6 +542,43 @@ class _Run:
         self.world.log(proc.name, f"{key}: call ends: {kind} {value!r}")
         self.checker.call_result(proc.name, key, started, holder["body"], kind=kind, value=value)
 
+    # -- publishers ----------------------------------------------------------------------
+
+    def start_publish(self, i: int, pub: Publish) -> None:
+        proc = Process(self.world, f"p{i}", random.Random(f"{self.plan.seed}-p{i}"))
+        client = SimClient(
+            self.world,
+            proc,
+            self.server,
+            self.net,
+            socket_timeout=self.plan.socket_timeout,
+            retries=self.plan.client_retries,
+            observer=self,
+        )
+        key = self.key_names[pub.key]
+
+        def run() -> None:
+            try:
+                decision = adapter.check_publish(
+                    client, key, pub.task_id, pub.fingerprint, self.plan.publish_ttl
+                )
+            except IdempotencyConnectionError as exc:
+                self.world.log(proc.name, f"publish {key} as {pub.task_id} failed: {exc!r}")
+                self.result.publishes["failed"] += 1
+                return
+            finally:
+                self.publishes_done += 1
+            action = "unchecked" if decision.unchecked else decision.action
+            self.world.log(proc.name, f"publish {key} as {pub.task_id}: {action}")
+            self.result.publishes[action] += 1
+            if decision.action == "publish":
+                # The message is delivered: a worker of its own runs it through the guard.
+                w = _Worker(len(self.workers), [Call(pub.key, pub.duration)])
+                self.workers.append(w)
+                self.start_worker(w)
+
+        self.world.spawn(proc, run, "publish")
+
     # -- faults -----------------------------------------------------------------------------
 
     def inject(self, f: Fault) -> None:
@@ -575,6 +672,8 @@ class _Run:
             self.start_worker(w)
         for f in self.plan.faults:
             world.at(f.at, lambda f=f: self.inject(f))
+        for i, pub in enumerate(self.plan.publishes):
+            world.at(pub.at, lambda i=i, pub=pub: self.start_publish(i, pub))
         if self.plan.snapshot_every:
             world.at(0.0, self._snapshots)
         world.at(0.05, self._active_expiry)
@@ -588,7 +687,13 @@ class _Run:
 
         world.after_step = after_step
         try:
-            world.run(self.plan.horizon, stop=lambda: all(w.done for w in self.workers))
+            world.run(
+                self.plan.horizon,
+                stop=lambda: (
+                    all(w.done for w in self.workers)
+                    and self.publishes_done == len(self.plan.publishes)
+                ),
+            )
         except Violation:
             pass
         except Exception as exc:  # the library raised what no rule expects, or a harness bug
@@ -608,6 +713,8 @@ class _Run:
         self.result.late_starts = self.checker.late_starts
         self.result.excused_fences = self.checker.excused_fences
         self.result.reruns_after_loss = self.checker.reruns_after_loss
+        for why, n in self.checker.marker_ends.items():
+            self.result.publishes[f"marker {why}"] += n
         if self.checker.first is None:
             self.result.unfinished = sum(1 for w in self.workers if not w.done)
         return self.result
@@ -624,6 +731,10 @@ def _arg(a: Any) -> bytes:
     if isinstance(a, bytes):
         return a
     return str(a).encode()
+
+
+def _text(a: Any) -> str:
+    return a.decode() if isinstance(a, bytes) else str(a)
 
 
 def _reply_text(reply: Any) -> str:
@@ -674,6 +785,8 @@ def shrink(plan: Plan, mutant: Any = None, *, budget: int = 300, rule: str | Non
 
 
 def _smaller(plan: Plan) -> Any:
+    for i in range(len(plan.publishes)):
+        yield dataclasses.replace(plan, publishes=plan.publishes[:i] + plan.publishes[i + 1 :])
     for i in range(len(plan.faults)):
         yield dataclasses.replace(plan, faults=plan.faults[:i] + plan.faults[i + 1 :])
     for k, v in plan.net.items():
@@ -706,7 +819,14 @@ def _smaller(plan: Plan) -> Any:
                     for f in plan.faults
                     if not (f.kind == "forget" and f.target == key)
                 ]
-                yield dataclasses.replace(plan, keys=plan.keys - 1, workers=workers, faults=faults)
+                pubs = [
+                    dataclasses.replace(p, key=p.key - (p.key > key))
+                    for p in plan.publishes
+                    if p.key != key
+                ]
+                yield dataclasses.replace(
+                    plan, keys=plan.keys - 1, workers=workers, faults=faults, publishes=pubs
+                )
     if plan.client_retries:
         yield dataclasses.replace(plan, client_retries=0)
     if plan.socket_timeout > 0.25:
@@ -737,6 +857,7 @@ class Campaign:
     checks: int = 0
     requests: int = 0
     faults: Counter[str] = field(default_factory=Counter)
+    publishes: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
     unfinished: int = 0
     late_starts: int = 0
@@ -751,6 +872,7 @@ class Campaign:
         self.requests += res.requests
         self.faults.update(res.faults)
         self.outcomes.update(res.outcomes)
+        self.publishes.update(res.publishes)
         self.unfinished += res.unfinished
         self.late_starts += res.late_starts
         self.excused_fences += res.excused_fences
@@ -768,7 +890,12 @@ class Campaign:
             f"{self.checks / secs:.0f} checks/s); {len(self.failures)} failing\n"
             f"  faults: {dict(sorted(self.faults.items()))}\n"
             f"  call outcomes: {dict(sorted(self.outcomes.items()))}\n"
-            f"  documented outcomes: {self.reruns_after_loss} completed keys ran again after a "
+            + (
+                f"  publish decisions: {dict(sorted(self.publishes.items()))}\n"
+                if self.publishes
+                else ""
+            )
+            + f"  documented outcomes: {self.reruns_after_loss} completed keys ran again after a "
             f"restart lost their record; {self.excused_fences} lower fencing tokens once no "
             f"key carried the last one and the server clock had stepped back\n"
             f"  bodies started on a lease that had already lapsed (no valid lease; commit "

@@ -26,6 +26,7 @@ class Mutant:
     script_edit: Callable[[str], str] | None = None
     renew_edit: Callable[[str], str] | None = None
     guard_edit: Callable[[Any], Any] | None = None
+    publish: bool = False  # caught only with publishes in the plan (make_publish_plan)
 
     def renew(self, proc: Any) -> Any:
         if self.renew_edit is None:
@@ -123,6 +124,46 @@ MUTANTS = [
             ),
             only="COMMIT",
         ),
+    ),
+]
+
+MUTANTS += [
+    Mutant(
+        "publish-ignores-record",
+        "PUBLISH does not see a committed record (the completed answer is gone)",
+        script_edit=_sub(
+            (r"if head == '[^']*' then return \{2, rec\} end", ""),
+            only="PUBLISH",
+        ),
+        publish=True,
+    ),
+    Mutant(
+        "publish-marks-over-record",
+        "PUBLISH writes its queued marker over a committed record",
+        script_edit=_sub(
+            (
+                r"if head == '([^']*)' then return \{2, rec\} end",
+                r"if head == '\1' then redis.call('set', KEYS[1], 'q|' .. ARGV[1] .. '|' .. "
+                r"ARGV[2], 'PX', ARGV[3]) return {1} end",
+            ),
+            only="PUBLISH",
+        ),
+        publish=True,
+    ),
+    Mutant(
+        "publish-ignores-marker",
+        "PUBLISH sets its own marker over another call's queued marker",
+        script_edit=_sub(
+            (
+                r"local got = redis\.call\('mget', KEYS\[1\], KEYS\[2\]\)\nlocal rec, held = "
+                r"got\[1\], got\[2\]",
+                "local got = redis.call('mget', KEYS[1], KEYS[2])\n"
+                "local rec, held = got[1], got[2]\n"
+                "if rec and string.sub(rec, 1, 2) == 'q|' then rec = nil end",
+            ),
+            only="PUBLISH",
+        ),
+        publish=True,
     ),
 ]
 

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import campaign, make_plan, make_two_step_plan, run_plan, shrink
+from .harness import (
+    campaign,
+    make_plan,
+    make_publish_plan,
+    make_two_step_plan,
+    run_plan,
+    shrink,
+)
 from .mutants import MUTANTS, Mutant
 
 #: Schedules in the default run: about 20-30 s of CPU on the CI machine.
 CI_SCHEDULES = 6000
 #: Schedules of the guard's two-step path (store and lock apart): about 7 s.
 CI_TWO_STEP_SCHEDULES = 1500
+
+#: Schedules with standalone publishes (the library's PUBLISH decision) among the workers.
+CI_PUBLISH_SCHEDULES = 1000
 
 #: Seeds that once exercised a hard corner (kept so that the corner stays covered):
 #: 79: a renewal's request delayed in the network is applied after the client resent it;
@@ -75,6 +85,24 @@ def test_two_step_campaign_holds_every_invariant() -> None:
     assert not result.failures, _report(result.failures[0])
 
 
+def test_publish_campaign_holds_every_invariant() -> None:
+    result = campaign(range(CI_PUBLISH_SCHEDULES), make=make_publish_plan)
+    print(result.summary())
+    assert not result.failures, _report(result.failures[0])
+    # Every decision of the script was exercised, under faults.
+    pubs = result.publishes
+    for kind in ("publish", "completed", "queued", "mismatch", "unchecked", "failed"):
+        assert pubs[kind] > 20, (kind, pubs)
+    for kind in (
+        "script:publish",
+        "script:completed",
+        "script:queued",
+        "script:mismatch",
+        "marker replaced by a commit",
+    ):
+        assert pubs[kind] > 20, (kind, pubs)
+
+
 @pytest.mark.parametrize("seed", TWO_STEP_REGRESSION_SEEDS)
 def test_two_step_regression_seeds(seed: int) -> None:
     res = run_plan(make_two_step_plan(seed))
@@ -90,7 +118,8 @@ def test_regression_seeds(seed: int) -> None:
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_mutant_is_caught(mutant: Mutant) -> None:
     mutant.check()
-    result = campaign(range(3000), mutant, stop_at_first=True)
+    make = make_publish_plan if mutant.publish else make_plan
+    result = campaign(range(3000), mutant, stop_at_first=True, make=make)
     assert result.failures, f"mutant {mutant.name} survived {result.schedules} schedules"
     shrunk = shrink(result.failures[0].plan, mutant, budget=150)
     assert shrunk.violation is not None
