@@ -46,7 +46,7 @@ def inspect(
     prefix: str | None,
     as_json: bool,
 ) -> None:
-    """Show one key: completed, in progress (locked) or absent.
+    """Show one key: completed, in progress (locked), queued (published, not run yet) or absent.
 
     KEY is the user-level key (an explicit key such as payment-42, or a formatted one such as
     order:42) of the task given with --task.
@@ -106,8 +106,15 @@ def _decode_result(target: Target, info: KeyInfo) -> tuple[Any, str | None]:
 def _print_key(
     info: KeyInfo, now: float, *, show_result: bool, result: Any, error: str | None
 ) -> None:
-    states = {"completed": "completed", "in_progress": "in progress (locked)", "absent": "absent"}
+    states = {
+        "completed": "completed",
+        "in_progress": "in progress (locked)",
+        "queued": "queued (published, not run yet)",
+        "absent": "absent",
+    }
     rows: list[tuple[str, str]] = [("key", info.key), ("state", states[info.state])]
+    if info.queued_task_id is not None:
+        rows.append(("queued as", f"task {info.queued_task_id}"))
     rec = info.record
     if rec is not None:
         rows += [

@@ -373,6 +373,14 @@ def test_inspect_shows_a_queued_key_and_forget_clears_it(pub: ModuleType) -> Non
     assert pub.charge.idempotency_status((t, 3)).state == "queued"  # the Python admin API
     assert pub.charge.idempotency_status((t, 3)).task_id == first.id
     assert doc["record"] is None
+    human = CliRunner().invoke(
+        idempotency,
+        ["inspect", "--task", "pub.charge", "--args", json.dumps([t, 3])],
+        obj=CLIContext(app=pub.app, no_color=True, workdir=None),
+    )
+    assert human.exit_code == 0, human.output
+    assert "queued (published, not run yet)" in human.stdout
+    assert f"task {first.id}" in human.stdout
     gone = cli("forget", "--task", "pub.charge", "--args", json.dumps([t, 3]), "--yes", "--json")
     record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 3), {}))
     assert gone["deleted"] == [record]
