@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pg_url = options.postgres_url
         if not pg_url:
-            from celery_idempotent._pgserver import PostgresServer
+            from celery_idempotent.postgres.server import PostgresServer
 
             servers.append(PostgresServer().start())
             pg_url = servers[-1].url

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_url = redis_server.url(0)
         pg_url = options.postgres_url
         if not pg_url:
-            from celery_idempotent._pgserver import PostgresServer
+            from celery_idempotent.postgres.server import PostgresServer
 
             pg_server = PostgresServer().start()
             pg_url = pg_server.url
