@@ -166,7 +166,6 @@ def test_task_option_overrides_the_app(make_app: Callable[..., Celery], name: st
         "idempotency_url": "redis://127.0.0.1:6379/3",
         "idempotency_client": _other_client_factory,
         "idempotency_namespace": "other.namespace",  # None as an option: "not set"
-        "idempotency_window": 60,  # None as an option: "not set" (the app's window applies)
     }.get(name, DEFAULTS[name])
     task = plain_task(app, **{name: value})
     untouched = plain_task(app)
