@@ -36,6 +36,8 @@ from celery_idempotent import (
     current_lease,
 )
 from celery_idempotent._redis import same_server
+from celery_idempotent.stores.redis import RedisAtomicBackend
+from celery_idempotent.two_step import TwoStepBackend
 
 T = TypeVar("T")
 
@@ -122,7 +124,7 @@ def test_master_clients_pair_atomically_at_two_and_one_round_trips(
     assert (store_client is lock_client) is (clients == "one client")
     assert same_server(store_client, lock_client)
     guard = make_guard(store_client, lock_client, retry_count=0)
-    assert guard._atomic is not None  # one Lua script to claim, one to commit
+    assert isinstance(guard.backend, RedisAtomicBackend)  # one Lua script to claim, one to commit
 
     # Warm up: connect (the Sentinel names the master), load the two scripts once.
     guard.execute("warm-up", lambda: None)
@@ -164,7 +166,7 @@ def test_a_thread_race_runs_the_body_once_and_the_rest_replay(
         )
         for _ in range(2)
     ]
-    assert all(guard._atomic is not None for guard in guards)
+    assert all(isinstance(guard.backend, RedisAtomicBackend) for guard in guards)
     threads_n = 8
     barrier = threading.Barrier(threads_n)
     calls: list[int] = []
@@ -488,12 +490,12 @@ def test_same_server_tells_sentinel_services_apart(
         # deployment (issue 13), so the guard keeps its one-script path.
         assert same_server(main, other_sentinel)
         assert same_server(other_sentinel, main)
-        assert make_guard(main, other_sentinel)._atomic is not None
+        assert isinstance(make_guard(main, other_sentinel).backend, RedisAtomicBackend)
         for other in (other_service, other_db, direct):
             assert not same_server(main, other)
             assert not same_server(other, main)
             assert RedisIdempotencyStore(main).atomic_with(RedisLockProvider(other)) is None
-        assert make_guard(main, other_service)._atomic is None
+        assert isinstance(make_guard(main, other_service).backend, TwoStepBackend)
     finally:
         direct.close()
 
@@ -505,7 +507,7 @@ def test_same_server_tells_sentinel_services_apart(
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="celery_idempotent"):
             guard = make_guard(main, direct)
-        assert guard._atomic is None
+        assert isinstance(guard.backend, TwoStepBackend)
         assert "instead of one script" in caplog.text
         assert "Sentinel services differ" in caplog.text
         calls: list[bool] = []
