@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_idempotent import DistributedIdempotencyGuard, IdempotencyStore, LockProvider
-from celery_idempotent.stores.redis import RedisAtomicBackend
+from celery_idempotent.two_step import TwoStepBackend
 
 if TYPE_CHECKING:
     import redis
@@ -67,7 +67,7 @@ class Backend:
         options.setdefault("key_prefix", self.prefix)
         options.setdefault("retry_base_delay", 0.001)
         guard = DistributedIdempotencyGuard(**options)
-        one_script = isinstance(guard.backend, RedisAtomicBackend)
+        one_script = not isinstance(guard.backend, TwoStepBackend)
         assert one_script is self.atomic, f"{self.name}: wrong guard path"
         return guard
 
