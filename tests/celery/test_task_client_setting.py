@@ -118,7 +118,7 @@ def test_a_ready_client_object_is_used_as_it_is(
         results = [task.apply((7,), {"amount": 5}).get() for _ in range(3)]
         assert runs == [7]
         assert results == [{"order_id": 7, "run": 1}] * 3
-        assert task._guard(resolve(app, task)).store.client is client
+        assert task.idempotency_guard().store.client is client
     finally:
         client.close()
 

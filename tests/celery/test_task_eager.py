@@ -277,7 +277,7 @@ def test_failures_and_control_flow_store_nothing(
 
 def _hold(task: Any, *args: Any, ttl: float = 10) -> Any:
     """Take the key's lock as another delivery would; returns the lease."""
-    guard = task._guard(task.idempotency_settings())
+    guard = task.idempotency_guard()
     resource, _ = redis_names(task, key_of(task, *args))
     lease = guard.lock_provider.acquire(resource, ttl)
     assert lease is not None

@@ -171,7 +171,7 @@ def test_the_task_settings_reach_the_store_and_refuse_memory(server: RedisServer
         assert isinstance(result.result, IdempotencyConnectionError)
         assert "reached 0 of the 1 replica" in str(result.result)
         assert calls == []
-        store = charge._guard(charge.idempotency_settings()).store
+        store = charge.idempotency_guard().store
         assert (store.wait_replicas, store.wait_timeout) == (1, 0.05)
 
         failed = local.apply((2,))
