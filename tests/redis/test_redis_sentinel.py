@@ -1,7 +1,7 @@
 """The Redis backend behind Redis Sentinel, through a live failover.
 
 Every test gets its own master, replica and Sentinel (the ``redis_sentinel`` fixture, a
-``servers.RedisSentinelGroup``). The library is given redis-py Sentinel clients,
+``tests.support.sentinel.RedisSentinelGroup``). The library is given redis-py Sentinel clients,
 ``Sentinel(...).master_for(name)``, which ask the Sentinel where the master is each time they
 open a connection. ``redis_sentinel.admin((host, port))`` talks to one server directly, to see
 where a record or a lock really is.
@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 from redis.sentinel import Sentinel, SentinelManagedConnection
-from redis_support import RoundTrips, command_names, recording
-from servers import RedisSentinelGroup
+from redis_support import recording
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -38,6 +37,8 @@ from celery_idempotent import (
 from celery_idempotent._redis import same_server
 from celery_idempotent.stores.redis import RedisAtomicBackend
 from celery_idempotent.two_step import TwoStepBackend
+from tests.support.counting import RoundTrips, command_names
+from tests.support.sentinel import RedisSentinelGroup
 
 T = TypeVar("T")
 
@@ -340,11 +341,19 @@ def test_a_lease_held_across_a_failover_is_renewed_on_the_new_master_and_commits
 
 
 def make_wait_guard(client: redis.Redis, **options: Any) -> DistributedIdempotencyGuard:
-    """A guard whose store makes every claim and commit reach one replica (``WAIT 1``)."""
+    """A guard whose store makes every claim and commit reach one replica (``WAIT 1``).
+
+    ``wait_timeout`` is 1 s, not less: a replica in sync still needs a scheduling slice to
+    answer ``REPLCONF GETACK``, and on a loaded two-core machine 0.2 s missed it once (the
+    claim failed with "reached 0 of the 1 replica"). Where no replica can answer, the tests
+    only wait longer. A wait as long as the lease also pins a fixed bug: the first commit of a
+    store was sent as EVALSHA + WAIT, refused with NOSCRIPT, and its WAIT still blocked for the
+    whole timeout before the resend, by then after the lease (LockLostError instead of the
+    commit landing)."""
     options.setdefault("key_prefix", PREFIX)
     options.setdefault("retry_base_delay", 0.001)
     return DistributedIdempotencyGuard(
-        store=RedisIdempotencyStore(client, wait_replicas=1, wait_timeout=0.2),
+        store=RedisIdempotencyStore(client, wait_replicas=1, wait_timeout=1.0),
         lock_provider=RedisLockProvider(client, key_prefix=PREFIX),
         **options,
     )
