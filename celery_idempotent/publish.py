@@ -3,7 +3,9 @@
 :func:`publish` is what ``IdempotentTask.apply_async`` does: it computes the key as the
 worker will, asks the store (``check_publish``) whether the key is completed, queued or
 running, and either returns a result object without publishing or sets a "queued" marker and
-publishes (removing the marker if the publish fails). The schedule slot
+publishes (removing the marker if the publish fails). With kombu's Redis transport the check
+runs where kombu pushes the message (:mod:`celery_idempotent._publish_redis`): on the store's
+own Redis, the check, the marker and the push are one script, one round trip. The schedule slot
 (``idempotency_window``) is stamped into the message's headers here. The worker ends the marker
 of a body that failed for good with :func:`drop_queued_marker`.
 """
