@@ -15,10 +15,10 @@ from celery_idempotent.exceptions import (
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.guard import ABSENT, DistributedIdempotencyGuard
+from celery_idempotent.guard import ABSENT, DistributedIdempotencyGuard, Outcome
 from celery_idempotent.keys import key_digest
 from celery_idempotent.publish import drop_queued_marker
-from celery_idempotent.requeue import on_locked, requeue
+from celery_idempotent.requeue import on_locked, requeue, wait_in_place
 from celery_idempotent.results import (
     as_delivered,
     failure_envelope,
@@ -66,72 +66,123 @@ def run(
     kwargs: dict[str, Any],
 ) -> Any:
     """Run the delivery in ``task.request`` through ``guard``: ``call_body()`` runs the
-    task's body, at most once per key; the outcome as Celery hands it on (a stored failure
-    raised again, an eager caller's value as a replay gets it). A held key follows
-    ``idempotency_on_locked``: a re-queue (which raises ``Retry``), an error, or, eagerly,
-    another attempt after a wait."""
-    request = task.request
-    key, payload, fingerprint = prepared
-    started: list[bool] = []
-    failed: list[BaseException] = []
-    store_errors = cfg.idempotency_store_errors
-
-    def body() -> Any:
-        started.append(True)
-        if not store_errors:
-            return call_body()
-        try:
-            return call_body()
-        except store_errors as exc:
-            if isinstance(exc, never_stored()):
-                raise
-            failed.append(exc)
-            return failure_envelope(task, exc)
-
-    token = _running.set((guard, task.name, request.id))
+    task's body, at most once per key. Returns (or raises) what Celery hands on: the value,
+    a stored failure raised again, for an eager caller the value as a replay gets it. A held
+    key follows ``idempotency_on_locked`` (a re-queue raises ``Retry``)."""
+    body = _Body(call_body, task, cfg.idempotency_store_errors)
+    token = _running.set((guard, task.name, task.request.id))
     try:
-        while True:
-            try:
-                outcome = guard.run(
-                    key,
-                    body,
-                    input=payload if fingerprint is not None else ABSENT,
-                    fingerprint=fingerprint,
-                    task_id=None if request.id is None else str(request.id),
-                )
-            except LockAcquisitionError as exc:
-                on_locked(task, cfg, key, exc, args=args, kwargs=kwargs)
-            except IdempotencyConnectionError as exc:
-                # Redis unreachable before the body ran: nothing happened, so a re-queue
-                # is safe. After the body ran the error stands (the result is not stored).
-                # In eager mode there is no queue to come back through: waiting in place
-                # for a Redis that may never answer (a wrong URL) would hang the caller.
-                if started or cfg.idempotency_on_locked != "retry" or request.is_eager:
-                    raise
-                log.warning(
-                    "idempotency backend unreachable for %s[%s]; re-queueing: %s",
-                    task.name,
-                    request.id,
-                    exc,
-                )
-                requeue(task, cfg, exc, args, kwargs)
-            except LockLostError as exc:
-                if failed:  # the failure was not stored: it stands as it is
-                    raise failed[0] from exc
-                raise
-            else:
-                break
+        outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
     except _CONTROL_FLOW:
         raise
     except BaseException:
-        if started:  # the body failed for good: its queued marker ends with it
-            drop_queued_marker(task, guard, key)
+        if body.started:  # the body failed for good: its queued marker ends with it
+            drop_queued_marker(task, guard, prepared.key)
         raise
     finally:
         _running.reset(token)
+    return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+class _Body:
+    """The body as the guard calls it: notes that it started, and turns a failure listed in
+    ``idempotency_store_errors`` into the envelope that is stored (noting the failure)."""
+
+    def __init__(
+        self,
+        call_body: Callable[[], Any],
+        task: IdempotentTask,
+        store_errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.call_body = call_body
+        self.task = task
+        self.store_errors = store_errors
+        self.started = False
+        self.failed: BaseException | None = None
+
+    def __call__(self) -> Any:
+        self.started = True
+        if not self.store_errors:
+            return self.call_body()
+        try:
+            return self.call_body()
+        except self.store_errors as exc:
+            if isinstance(exc, never_stored()):
+                raise
+            self.failed = exc
+            return failure_envelope(self.task, exc)
+
+
+def _outcome(
+    task: IdempotentTask,
+    cfg: IdempotencySettings,
+    guard: DistributedIdempotencyGuard,
+    prepared: PreparedCall,
+    body: _Body,
+    *,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Outcome[Any]:
+    """The guard's outcome for this delivery. A key held by another delivery, or a backend
+    unreachable before the body ran, ends the delivery (re-queued, an error, ignored or
+    rejected), except in an eager call that retries: that one waits here and tries again."""
+    request = task.request
+    key, payload, fingerprint = prepared
+    while True:
+        try:
+            return guard.run(
+                key,
+                body,
+                input=payload if fingerprint is not None else ABSENT,
+                fingerprint=fingerprint,
+                task_id=None if request.id is None else str(request.id),
+            )
+        except LockAcquisitionError as exc:
+            log.info(
+                "key held by another delivery for %s[%s] key=%s after %d attempt(s): %s",
+                task.name,
+                request.id,
+                key_digest(key),
+                exc.attempts,
+                cfg.idempotency_on_locked,
+            )
+            if request.is_eager and cfg.idempotency_on_locked == "retry":
+                wait_in_place(task, cfg)  # no queue to come back through: try again here
+                continue
+            on_locked(task, cfg, key, exc, args=args, kwargs=kwargs)  # ends the delivery
+        except IdempotencyConnectionError as exc:
+            # Redis unreachable before the body ran: nothing happened, so a re-queue is safe.
+            # After the body ran the error stands (the result is not stored). In eager mode
+            # there is no queue to come back through: waiting in place for a Redis that may
+            # never answer (a wrong URL) would hang the caller.
+            if body.started or cfg.idempotency_on_locked != "retry" or request.is_eager:
+                raise
+            log.warning(
+                "idempotency backend unreachable for %s[%s]; re-queueing: %s",
+                task.name,
+                request.id,
+                exc,
+            )
+            requeue(task, cfg, exc, args, kwargs)
+        except LockLostError as exc:
+            if body.failed is not None:  # the failure was not stored: it stands as it is
+                raise body.failed from exc
+            raise
+
+
+def _handed_on(
+    task: IdempotentTask,
+    cfg: IdempotencySettings,
+    key: str,
+    outcome: Outcome[Any],
+    failed: BaseException | None,
+) -> Any:
+    """The outcome as Celery hands it on: a stored failure raised again, an eager first run's
+    value as its replays will get it."""
+    request = task.request
     if is_failure_envelope(outcome.value):
-        if failed and not outcome.replayed:
-            raise failed[0]
+        if failed is not None and not outcome.replayed:
+            raise failed
         stored = failure_from(task, outcome.value)
         log.info(
             "replayed stored failure %s for %s[%s] key=%s",

@@ -13,8 +13,10 @@ here. One call of :meth:`DistributedIdempotencyGuard.execute` goes::
                  └── commit while still the holder ──> return the result
     finally: release the lease, only if it is still ours.
 
-With an :class:`~celery_idempotent.protocols.AtomicBackend` (the Redis store paired with the
-Redis lock provider) "attempt lock + look up" is one call and "commit + release" is another.
+"Attempt lock + look up" is one call of an :class:`~celery_idempotent.protocols.AtomicBackend`
+and "commit + release" another: the store's own (``atomic_with``: the Redis store paired with
+the Redis lock provider, PostgreSQL), else the two backends in separate calls
+(:class:`~celery_idempotent.two_step.TwoStepBackend`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from celery_idempotent.exceptions import (
     IdempotencyAbortedError,
     IdempotencyBackendError,
     IdempotencyConnectionError,
-    IdempotencyError,
     IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
@@ -52,6 +53,7 @@ from celery_idempotent.protocols import (
     PairsAtomically,
     required_methods,
 )
+from celery_idempotent.two_step import TwoStepBackend, backend_call
 
 __all__ = ["DistributedIdempotencyGuard", "GuardEvent", "Outcome", "current_lease"]
 
@@ -61,7 +63,7 @@ log = logging.getLogger("celery_idempotent")
 
 #: Between resends of a commit whose reply was lost: 0.05 s, doubling, at most 1 s, no jitter
 #: (one caller, nobody to fall out of step with).
-_RESEND = ExponentialJitterBackoff(0.05, 1.0, jitter="none")
+COMMIT_RESEND = ExponentialJitterBackoff(0.05, 1.0, jitter="none")
 
 
 class _Absent:
@@ -204,8 +206,13 @@ class DistributedIdempotencyGuard:
             self.retry_base_delay, self.retry_max_delay, random
         )
         self._on_event = on_event
-        self._atomic: AtomicBackend | None = (
-            store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
+        paired = store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
+        #: What claims and commits: the store's own atomic backend for ``lock_provider``, else
+        #: a :class:`~celery_idempotent.two_step.TwoStepBackend` of the two.
+        self.backend: AtomicBackend = (
+            paired
+            if paired is not None
+            else TwoStepBackend(lock_provider, store, self.lock_ttl, monotonic=time.monotonic)
         )
 
     def __repr__(self) -> str:
@@ -287,10 +294,6 @@ class DistributedIdempotencyGuard:
 
         committed = False
         try:
-            if record is None and self._atomic is None:
-                record = self._backend(key, "store get", self.store.get, rkey)
-            if record is not None:
-                return self._replay(key, record, fingerprint, attempts, started)
             value, renewal = self._run_body(key, fn, lease, started)
             # Whole µs: the Redis store writes those compactly (see keyspace).
             stamp = round(self.clock(), 6)
@@ -307,7 +310,7 @@ class DistributedIdempotencyGuard:
         self, key: str, resource: str, rkey: str, abort: Any, started: float
     ) -> tuple[Lease | None, IdempotencyRecord | None, int]:
         """Attempt the lock up to ``1 + retry_count`` times. Returns (lease, record, attempts):
-        a lease (record only from an atomic claim, else None), or a record and no lease."""
+        a lease and no record, or a record and no lease."""
         attempts = 0
         total = 1 + self.retry_count
         while True:
@@ -315,16 +318,10 @@ class DistributedIdempotencyGuard:
                 raise IdempotencyAbortedError(key, attempts)
             attempts += 1
             sent = self.clock()
-            if self._atomic is not None:
-                claim: Claim = self._backend(
-                    key, "claim", self._atomic.claim, resource, rkey, self.lock_ttl
-                )
-                lease, record = claim.lease, claim.record
-            else:
-                lease = self._backend(
-                    key, "lock acquire", self.lock_provider.acquire, resource, self.lock_ttl
-                )
-                record = None
+            claim: Claim = backend_call(
+                key, "claim", self.backend.claim, resource, rkey, self.lock_ttl
+            )
+            lease, record = claim.lease, claim.record
             if lease is not None and not self._still_ours(key, lease, sent):
                 pass  # it ran out before its reply came: claim again (an attempt like any)
             elif lease is not None or record is not None:
@@ -348,7 +345,7 @@ class DistributedIdempotencyGuard:
         if waited < self.renew_interval:
             return True
         ours = bool(
-            self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
+            backend_call(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
         )
         if not ours:
             log.warning(
@@ -410,7 +407,7 @@ class DistributedIdempotencyGuard:
         *,
         renewal: _renewal.Renewal | None = None,
     ) -> bool:
-        """Store the record while still the holder. True when the commit also released.
+        """Store the record and release the lock while still the holder; True when stored.
 
         A connection error leaves the outcome open: the request may have reached the server and
         only its reply been lost. The commit is safe to send again (it answers "stored" when
@@ -418,10 +415,15 @@ class DistributedIdempotencyGuard:
         with back-off for up to ``lock_ttl`` seconds before the outcome is reported unknown.
         """
         waited, resends = 0.0, 0
-        wrote: list[bool] = []  # two-step path: a record write was sent (it may have landed)
+        unknown: CommitUnknownError | None = None
         while True:
             try:
-                ok, released = self._commit_once(key, rkey, lease, record, wrote)
+                commit = self.backend.commit
+                ok = backend_call(key, "commit", commit, lease, rkey, record, self.ttl)
+                break
+            except CommitUnknownError as exc:
+                # A two-step backend lost the lease after a write whose reply was lost.
+                ok, unknown = False, exc
                 break
             except IdempotencyConnectionError as exc:
                 if waited >= self.lock_ttl:
@@ -435,7 +437,7 @@ class DistributedIdempotencyGuard:
                 log.warning(
                     "commit of key #%s unconfirmed (%s); sending it again", key_digest(key), exc
                 )
-                delay = _RESEND.delay(resends)
+                delay = COMMIT_RESEND.delay(resends)
                 self._sleep(delay, None)
                 waited += delay
                 resends += 1
@@ -463,52 +465,11 @@ class DistributedIdempotencyGuard:
                     cause,
                 )
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
-            if wrote:
-                # Two-step path: an earlier write's reply was lost, so it may have landed even
-                # though the lease is gone now. "Not stored" would be a guess.
-                raise CommitUnknownError(
-                    key,
-                    record.result,
-                    "the lease was lost after a write of the record whose outcome is unknown: "
-                    "the result may or may not be stored; look it up before compensating",
-                )
+            if unknown is not None:
+                raise CommitUnknownError(key, record.result, unknown.message) from None
             raise LockLostError(key, record.result, f"lease lost: {cause}; not committed")
         self._emit("committed", key, 0, started, lease.fencing_token)
-        return released
-
-    def _commit_once(
-        self,
-        key: str,
-        rkey: str,
-        lease: Lease,
-        record: IdempotencyRecord,
-        wrote: list[bool],
-    ) -> tuple[bool, bool]:
-        """One commit attempt: (stored, lock released by it). ``wrote`` gets an entry when the
-        two-step path sends the record (so that a resend looks before it writes again)."""
-        if self._atomic is not None:
-            ok = self._backend(key, "commit", self._atomic.commit, lease, rkey, record, self.ttl)
-            return ok, ok
-        # Two backends cannot decide atomically: prove the lease (and give it a full lock_ttl
-        # for the write) right before writing, and write only while that proof holds.
-        proved = time.monotonic()
-        if not self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl):
-            return False, False
-        if wrote:
-            # A resend: the first write may have landed, its reply lost. Writing again would
-            # replace the record (and its TTL); look first.
-            found = self._backend(key, "store get", self.store.get, rkey)
-            if found is not None and found.fencing_token == lease.fencing_token:
-                return True, False
-        if time.monotonic() - proved >= self.lock_ttl:
-            # The proof's reply (or the look-up) came back after a whole lease: the lease may
-            # have run out since, and the write must not land after it. Prove it again.
-            raise IdempotencyConnectionError(
-                key, f"the lease proof took longer than the lease ({self.lock_ttl}s)"
-            )
-        wrote.append(True)
-        self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
-        return True, False
+        return True
 
     def _release(self, key: str, lease: Lease) -> None:
         try:
@@ -520,19 +481,6 @@ class DistributedIdempotencyGuard:
                 key_digest(key),
                 exc,
             )
-
-    def _backend(self, key: str, op: str, method: Callable[..., T], *args: Any) -> T:
-        """Call a backend method, turning foreign failures into IdempotencyBackendError."""
-        try:
-            return method(*args)
-        except IdempotencyError as exc:
-            if exc.key == key:
-                raise
-            raise exc.with_key(key) from (exc.__cause__ or exc)
-        except (ConnectionError, TimeoutError) as exc:
-            raise IdempotencyConnectionError(key, f"{op} failed: {exc!r}") from exc
-        except Exception as exc:
-            raise IdempotencyBackendError(key, f"{op} failed: {exc!r}") from exc
 
     def _emit(
         self, kind: str, key: str, attempt: int, started: float, fencing: int | None = None

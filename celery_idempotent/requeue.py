@@ -1,12 +1,11 @@
 """A delivery whose key is held by another: ``idempotency_on_locked`` (re-queue with a growing
-countdown, raise, ignore or reject), and the re-queue itself."""
+countdown, raise, ignore or reject), the re-queue itself, and an eager call's wait in place."""
 
 from __future__ import annotations
 
-import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 
@@ -25,9 +24,8 @@ __all__ = [
     "on_locked",
     "requeue",
     "requeue_countdown",
+    "wait_in_place",
 ]
-
-log = logging.getLogger("celery_idempotent")
 
 #: How many times a duplicate was re-queued because its key was held (drives the countdown).
 REQUEUE_HEADER = "idempotency_requeues"
@@ -74,17 +72,11 @@ def on_locked(
     *,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> None:
-    """Apply ``idempotency_on_locked``; returns only to try again (eager mode)."""
+) -> NoReturn:
+    """End a delivery that found its key held, as ``idempotency_on_locked`` says: raise
+    ``exc`` (``"raise"``), ``Ignore``, ``Reject``, or re-queue it (``"retry"``, raising
+    ``Retry``). Not for an eager ``"retry"``: that call waits in place (:func:`wait_in_place`)."""
     policy = cfg.idempotency_on_locked
-    log.info(
-        "key held by another delivery for %s[%s] key=%s after %d attempt(s): %s",
-        task.name,
-        task.request.id,
-        key_digest(key),
-        exc.attempts,
-        policy,
-    )
     if policy == "raise":
         raise exc
     if policy == "ignore":
@@ -100,36 +92,48 @@ def requeue(
     exc: Exception,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> None:
-    """Re-publish this delivery with a growing countdown, without counting a retry.
+) -> NoReturn:
+    """Re-publish this delivery with a growing countdown, without counting a retry, and end
+    it with ``Retry``.
 
     ``Task.retry`` would count against ``max_retries``: a duplicate of a body that runs
     for minutes would end in ``MaxRetriesExceededError`` instead of the stored result.
-    In eager mode (``apply()``) there is no queue: wait here and let the caller loop.
     """
     request = task.request
+    headers, countdown = _next_attempt(request, cfg, MAX_REQUEUE_COUNTDOWN)
+    sig = task.signature_from_request(
+        request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
+    )
+    sig.apply_async()
+    raise Retry(exc=exc, when=countdown, sig=sig)
+
+
+def wait_in_place(task: IdempotentTask, cfg: IdempotencySettings) -> None:
+    """An eager call (``apply()``) has no queue to come back through: wait, as a re-queue's
+    countdown would, before the caller tries the key again. The caller is blocked meanwhile:
+    no broker messages to save, so the wait is capped shorter (:data:`MAX_REQUEUE_DELAY`)."""
+    request = task.request
+    headers, countdown = _next_attempt(request, cfg, MAX_REQUEUE_DELAY)
+    time.sleep(countdown)
+    request.headers = headers
+
+
+def _next_attempt(
+    request: Any, cfg: IdempotencySettings, cap: float
+) -> tuple[dict[str, Any], float]:
+    """The headers of the delivery's next attempt (one more re-queue counted, RabbitMQ's
+    dead-lettering headers dropped) and the countdown before it."""
     headers = {
         name: value
         for name, value in (getattr(request, "headers", None) or {}).items()
         if name not in _X_DEATH_HEADERS
     }
     requeues = int(headers.get(REQUEUE_HEADER) or 0)
-    # Eagerly the caller waits here, in place: no broker messages to save, keep it short.
-    cap = MAX_REQUEUE_DELAY if request.is_eager else MAX_REQUEUE_COUNTDOWN
     countdown = requeue_countdown(
         requeues,
         cfg.idempotency_retry_base_delay,
         random.random(),  # noqa: S311 - jitter, not security
         cap,
     )
-    if request.is_eager:
-        time.sleep(countdown)
-        headers[REQUEUE_HEADER] = requeues + 1
-        request.headers = headers
-        return
     headers[REQUEUE_HEADER] = requeues + 1
-    sig = task.signature_from_request(
-        request, args, kwargs, countdown=countdown, retries=request.retries, headers=headers
-    )
-    sig.apply_async()
-    raise Retry(exc=exc, when=countdown, sig=sig)
+    return headers, countdown

@@ -223,9 +223,6 @@ class IdempotentTask(Task):  # type: ignore[misc]
         settings, over the backends they name)."""
         return factory.guard(self, self.idempotency_settings())
 
-    def _guard(self, cfg: IdempotencySettings) -> DistributedIdempotencyGuard:
-        return factory.guard(self, cfg)
-
     # -- admin ------------------------------------------------------------------------------
 
     def idempotency_status(
@@ -245,9 +242,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``apply_async``: ``charge.idempotency_status((42, 999))``), or ``key``, an explicit key
         as the ``idempotency_key`` header gives it, or ``task_id`` for a task keyed by task id.
         """
-        cfg = self.idempotency_settings()
-        nkey = task_keys.admin_key(self, cfg, args, kwargs, key=key, task_id=task_id)
-        client = self._admin_client(cfg)
+        cfg, nkey, client = self._admin_target(args, kwargs, key=key, task_id=task_id)
         if client is None:
             return admin.status_from_guard(factory.guard(self, cfg), nkey)
         return admin.status_of(admin.read_key(client, cfg.idempotency_key_prefix, nkey))
@@ -269,18 +264,27 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``force`` the lock goes too, if it is still the lease that was read. The same as
         ``celery -A proj idempotency forget`` (``--force``).
         """
-        cfg = self.idempotency_settings()
-        nkey = task_keys.admin_key(self, cfg, args, kwargs, key=key, task_id=task_id)
-        client = self._admin_client(cfg)
+        cfg, nkey, client = self._admin_target(args, kwargs, key=key, task_id=task_id)
         if client is None:
             return admin.forget_from_guard(factory.guard(self, cfg), nkey, force=force)
         info = admin.read_key(client, cfg.idempotency_key_prefix, nkey)
         return admin.forget_key(client, info, force=force)
 
-    def _admin_client(self, cfg: IdempotencySettings) -> Any:
-        """The task's own Redis client (its backends'), or ``None`` for another backend."""
+    def _admin_target(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        *,
+        key: str | None,
+        task_id: str | None,
+    ) -> tuple[IdempotencySettings, str, Any]:
+        """(settings, namespaced key, the task's own Redis client or ``None`` for another
+        backend) of the key the admin methods' arguments name."""
+        cfg = self.idempotency_settings()
+        nkey = task_keys.admin_key(self, cfg, args, kwargs, key=key, task_id=task_id)
         _, store = factory.backends(self, cfg)
-        return store.client if isinstance(store, RedisIdempotencyStore) else None
+        client = store.client if isinstance(store, RedisIdempotencyStore) else None
+        return cfg, nkey, client
 
 
 # Task options (same names as the settings): ``None`` means "use the app's setting"; ``NOT_SET``

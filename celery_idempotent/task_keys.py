@@ -218,10 +218,8 @@ def fingerprint_for(
         return fingerprint_payload(["fingerprint_fn", value])
     missing = [name for name in setting if name not in payload]
     if missing:
-        raise ValueError(
-            f"idempotency_fingerprint {setting!r} of task {task.name} names "
-            f"{', '.join(missing)}, which the task has no argument for "
-            f"(arguments: {', '.join(payload) or 'none'})"
+        raise _no_such_arguments(
+            f"idempotency_fingerprint {setting!r}", task.name, missing, payload
         )
     return fingerprint_payload({name: payload[name] for name in setting})
 
@@ -294,12 +292,17 @@ def _format_key(template: str, payload: dict[str, Any], task_name: str) -> str:
         )
     missing = sorted(names - set(payload))
     if missing:
-        raise ValueError(
-            f"idempotency_key {template!r} of task {task_name} names "
-            f"{', '.join(missing)}, which the task has no argument for "
-            f"(arguments: {', '.join(payload) or 'none'})"
-        )
+        raise _no_such_arguments(f"idempotency_key {template!r}", task_name, missing, payload)
     return _KeyFormatter(template, task_name).format(template, **payload)
+
+
+def _no_such_arguments(
+    setting: str, task_name: str, missing: list[str], payload: dict[str, Any]
+) -> ValueError:
+    return ValueError(
+        f"{setting} of task {task_name} names {', '.join(missing)}, which the task has no "
+        f"argument for (arguments: {', '.join(payload) or 'none'})"
+    )
 
 
 class _KeyFormatter(string.Formatter):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from celery_idempotent.task import IdempotentTask
 
 __all__ = [
+    "AT_WORKER_START",
     "STARTUP_CHECKS",
     "check_app_at_worker_start",
     "check_beat_schedule",
@@ -35,12 +36,13 @@ __all__ = [
 log = logging.getLogger("celery_idempotent")
 
 
-def _is_idempotent(task: Any) -> bool:
-    """Whether ``task`` is an :class:`~celery_idempotent.IdempotentTask`."""
+def _idempotent_tasks(app: Any) -> dict[str, IdempotentTask]:
+    """The :class:`~celery_idempotent.IdempotentTask` tasks of ``app`` by name, sorted."""
     # Imported here: task.py imports this module (to connect the receivers below).
     from celery_idempotent.task import IdempotentTask  # noqa: PLC0415
 
-    return isinstance(task, IdempotentTask)
+    tasks = {name: app.tasks[name] for name in sorted(app.tasks)}
+    return {name: task for name, task in tasks.items() if isinstance(task, IdempotentTask)}
 
 
 #: A task that the start-up check resolved: (name, task, its settings).
@@ -59,10 +61,7 @@ def check_app_at_worker_start(app: Any) -> list[str]:
     errors: list[str] = []
     places: dict[str, int] = {}
     resolved: list[Resolved] = []
-    for name in sorted(app.tasks):
-        task = app.tasks[name]
-        if not _is_idempotent(task):
-            continue
+    for name, task in _idempotent_tasks(app).items():
         try:
             cfg = resolve(app, task)
         except (TypeError, ValueError) as exc:
@@ -195,10 +194,7 @@ def check_namespaces(app: Any) -> list[str]:
     an accident. Misconfigured and disabled tasks are left to the other checks.
     """
     groups: dict[tuple[str, str, str], list[tuple[str, bool]]] = {}
-    for name in sorted(app.tasks):
-        task = app.tasks[name]
-        if not _is_idempotent(task):
-            continue
+    for name, task in _idempotent_tasks(app).items():
         try:
             cfg = resolve(app, task)
         except (TypeError, ValueError):
@@ -236,10 +232,11 @@ def check_beat_schedule(app: Any) -> list[str]:
     """
     messages: list[str] = []
     schedule = app.conf.get("beat_schedule") or {}
+    tasks = _idempotent_tasks(app)
     for entry_name, entry in sorted(schedule.items(), key=lambda item: str(item[0])):
         name = entry.get("task") if isinstance(entry, dict) else None
-        task = app.tasks.get(name) if isinstance(name, str) else None
-        if not _is_idempotent(task):
+        task = tasks.get(name) if isinstance(name, str) else None
+        if task is None:
             continue
         try:
             cfg = resolve(app, task)
@@ -266,36 +263,25 @@ def check_beat_schedule(app: Any) -> list[str]:
     return messages
 
 
-def _check_beat_schedule_at_start(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+#: What a worker checks at start, in this order (each logs its own findings).
+AT_WORKER_START: list[Callable[[Any], list[str]]] = [
+    check_beat_schedule,
+    check_app_at_worker_start,
+    check_namespaces,
+]
+
+
+def _check_at_worker_start(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
     app = getattr(instance, "app", None)
-    if app is not None:
-        check_beat_schedule(app)
+    if app is None:
+        return
+    for check in AT_WORKER_START:
+        try:
+            check(app)
+        except Exception:  # one check failing must not stop the others, nor the worker
+            log.exception("celery-idempotent: start-up check %s failed", check.__name__)
 
 
 celery_signals.celeryd_after_setup.connect(
-    _check_beat_schedule_at_start,
-    weak=False,
-    dispatch_uid="celery_idempotent.check_beat_schedule",
-)
-
-
-def _on_worker_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
-    app = getattr(instance, "app", None)
-    if app is not None:
-        check_app_at_worker_start(app)
-
-
-celery_signals.celeryd_after_setup.connect(
-    _on_worker_setup, weak=False, dispatch_uid="celery_idempotent.check_app_at_worker_start"
-)
-
-
-def _check_namespaces_at_start(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
-    app = getattr(instance, "app", None)
-    if app is not None:
-        check_namespaces(app)
-
-
-celery_signals.celeryd_after_setup.connect(
-    _check_namespaces_at_start, weak=False, dispatch_uid="celery_idempotent.check_namespaces"
+    _check_at_worker_start, weak=False, dispatch_uid="celery_idempotent.check_at_worker_start"
 )

@@ -96,6 +96,7 @@ class RedisIdempotencyStore:
         self.client = _redis.make_client(client, url, "RedisIdempotencyStore")
         self.wait_replicas = check_count("wait_replicas", wait_replicas)
         self.wait_timeout = check_duration("wait_timeout", wait_timeout)
+        self._loaded: set[str] = set()  # SHAs of scripts loaded by eval_and_wait
         if self.wait_replicas and getattr(self.client, "nodes_manager", None) is not None:
             raise ValueError(
                 "RedisIdempotencyStore: wait_replicas is not supported with a RedisCluster "
@@ -171,7 +172,17 @@ class RedisIdempotencyStore:
         ``EVALSHA`` is sent as it is (a pipeline given the ``Script`` itself would ask
         ``SCRIPT EXISTS`` first, a round trip more); a server that does not know the script
         yet gets it loaded once, then the pair is sent again.
+
+        Each script is loaded once (``SCRIPT LOAD``) before this store first sends it: an
+        ``EVALSHA`` refused with ``NOSCRIPT`` still leaves its ``WAIT`` to block for
+        ``wait_timeout`` when no replica can answer, and that wasted wait could outlast the
+        lease before the script is sent again (a first commit after a replica went away would
+        then find its lease gone). A new master after a failover may still lack a script: the
+        resend below covers that rarer case.
         """
+        if script.sha not in self._loaded:
+            script.sha = self.client.script_load(script.script)
+            self._loaded.add(script.sha)
         for attempt in (0, 1):
             pipe = self.client.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)

@@ -13,10 +13,10 @@ import pytest
 from celery import Celery
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 from cidem_helpers import key_of, redis_names
-from servers import escape_glob
 
 from celery_idempotent import IdempotentTask, LockAcquisitionError, current_lease
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
+from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 
@@ -353,7 +353,7 @@ def test_retry_count_and_base_delay_shape_the_attempts(
 ) -> None:
     app = redis_app(idempotency_on_locked="raise")
     task = plain_task(app, idempotency_retry_count=2, idempotency_retry_base_delay=0.1)
-    guard = task._guard(task.idempotency_settings())
+    guard = task.idempotency_guard()
     resource, _ = redis_names(task, key_of(task, 1))
     assert guard.lock_provider.acquire(resource, 10) is not None
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_idempotent import DistributedIdempotencyGuard, IdempotencyStore, LockProvider
+from celery_idempotent.two_step import TwoStepBackend
 
 if TYPE_CHECKING:
     import redis
@@ -66,7 +67,8 @@ class Backend:
         options.setdefault("key_prefix", self.prefix)
         options.setdefault("retry_base_delay", 0.001)
         guard = DistributedIdempotencyGuard(**options)
-        assert (guard._atomic is not None) is self.atomic, f"{self.name}: wrong guard path"
+        one_script = not isinstance(guard.backend, TwoStepBackend)
+        assert one_script is self.atomic, f"{self.name}: wrong guard path"
         return guard
 
 
