@@ -479,13 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
     from benchmarks._counting import counting_client
-    from benchmarks._server import PrivateRedis
+    from celery_idempotent.servers.redis_server import start_private_redis
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         url = args.redis_url
         if not url:
-            url = stack.enter_context(PrivateRedis())
+            url = stack.enter_context(start_private_redis()).url()
         client = counting_client(url)
         stack.callback(client.close)
         prefix = f"cibench:{secrets.token_hex(4)}:"

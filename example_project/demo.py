@@ -48,8 +48,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from celery_idempotent.servers.processes import pid_alive, tail
+from celery_idempotent.servers.redis_server import PrivateRedis
 from celery_idempotent.urls import redact
-from example_project.processes import EmbeddedRedis, Worker, pid_alive, tail
+from example_project.processes import Worker, start_redis
 
 __all__ = ["main"]
 
@@ -398,7 +400,7 @@ class Demo:
         self.namespace = f"shop-demo-{uuid.uuid4().hex[:8]}"
         self.workdir: Path | None = None
         self.logdir = Path(options.log_dir).resolve() if options.log_dir else None
-        self.redis: EmbeddedRedis | None = None
+        self.redis: PrivateRedis | None = None
         self.workers: list[Worker] = []
         self.pool_pids: set[int] = set()
         self.stop = threading.Event()
@@ -429,8 +431,7 @@ class Demo:
                     "idempotency": redis_url}  # fmt: skip
             self.redis_info = f"Redis {_redact(redis_url)} (given)"
         else:
-            self.redis = EmbeddedRedis(self.workdir, logdir=self.logdir)
-            self.redis.start()
+            self.redis = start_redis(self.workdir, logdir=self.logdir)
             # One database each, as recommended: purging the broker never forgets what ran.
             urls = {"broker": opts.broker_url or self.redis.url(0), "results": self.redis.url(1),
                     "idempotency": self.redis.url(2)}  # fmt: skip

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 from celery import chain, chord, group
 from celery.result import AsyncResult, EagerResult
-from servers import delete_keys_with_prefix
-from workers import WorkerGroup, start_workers
 
 from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError, keyspace
 from celery_idempotent import settings as idem_settings
 from celery_idempotent.task import reset_backends
+from tests.support.keys import delete_keys_with_prefix
+from tests.support.workers import WorkerGroup, start_workers
 
 pytestmark = pytest.mark.redis
 

@@ -17,11 +17,11 @@ import pytest
 import redis
 from celery import Celery
 from cidem_helpers import key_of, redis_names
-from workers import WorkerGroup
 
 from celery_idempotent import IdempotentTask
 from celery_idempotent.settings import resolve
 from celery_idempotent.task import reset_backends
+from tests.support.workers import WorkerGroup
 
 TIMEOUT = 60
 

@@ -14,7 +14,6 @@ import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import Ignore, Reject
 from cidem_helpers import key_of, redis_names
-from servers import escape_glob
 
 from celery_idempotent import (
     IdempotencyMismatchError,
@@ -23,6 +22,7 @@ from celery_idempotent import (
     current_lease,
 )
 from celery_idempotent.keys import key_digest as _hash
+from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.redis
 

@@ -13,10 +13,10 @@ import pytest
 from celery import Celery
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 from cidem_helpers import key_of, redis_names
-from servers import escape_glob
 
 from celery_idempotent import IdempotentTask, LockAcquisitionError, current_lease
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
+from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 

@@ -20,7 +20,6 @@ import pytest
 import redis
 from redis.crc import key_slot
 from redis_support import RoundTrips, recording, split_store
-from servers import RedisServer, TcpProxy, free_port
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -37,6 +36,8 @@ from celery_idempotent import (
     RedisLockProvider,
 )
 from celery_idempotent.stores.redis import RedisAtomicBackend
+from tests.support.proxy import TcpProxy
+from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 

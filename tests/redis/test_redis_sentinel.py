@@ -1,7 +1,7 @@
 """The Redis backend behind Redis Sentinel, through a live failover.
 
 Every test gets its own master, replica and Sentinel (the ``redis_sentinel`` fixture, a
-``servers.RedisSentinelGroup``). The library is given redis-py Sentinel clients,
+``tests.support.sentinel.RedisSentinelGroup``). The library is given redis-py Sentinel clients,
 ``Sentinel(...).master_for(name)``, which ask the Sentinel where the master is each time they
 open a connection. ``redis_sentinel.admin((host, port))`` talks to one server directly, to see
 where a record or a lock really is.
@@ -20,7 +20,6 @@ import pytest
 import redis
 from redis.sentinel import Sentinel, SentinelManagedConnection
 from redis_support import RoundTrips, command_names, recording
-from servers import RedisSentinelGroup
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -38,6 +37,7 @@ from celery_idempotent import (
 from celery_idempotent._redis import same_server
 from celery_idempotent.stores.redis import RedisAtomicBackend
 from celery_idempotent.two_step import TwoStepBackend
+from tests.support.sentinel import RedisSentinelGroup
 
 T = TypeVar("T")
 

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from celery import Celery
 from redis_support import recording
-from servers import RedisServer
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -28,6 +27,7 @@ from celery_idempotent import (
 )
 from celery_idempotent.settings import clear_cache
 from celery_idempotent.task import reset_backends
+from tests.support.redis_server import RedisServer
 
 PREFIX = "test:wait:"
 
