@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 from redis.sentinel import Sentinel, SentinelManagedConnection
-from redis_support import RoundTrips, command_names, recording
+from redis_support import recording
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -37,6 +37,7 @@ from celery_idempotent import (
 from celery_idempotent._redis import same_server
 from celery_idempotent.stores.redis import RedisAtomicBackend
 from celery_idempotent.two_step import TwoStepBackend
+from tests.support.counting import RoundTrips, command_names
 from tests.support.sentinel import RedisSentinelGroup
 
 T = TypeVar("T")
