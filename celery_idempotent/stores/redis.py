@@ -101,6 +101,7 @@ class RedisIdempotencyStore:
                 )
         self._commit = self.client.register_script(_redis.COMMIT)
         self._publish = self.client.register_script(_redis.PUBLISH)
+        self._publish_and_push = self.client.register_script(_redis.PUBLISH_AND_PUSH)
         self._drop_queued = self.client.register_script(_redis.DROP_QUEUED)
 
     def __repr__(self) -> str:
@@ -264,12 +265,20 @@ class RedisIdempotencyStore:
         task_id: str,
         fingerprint: str | None,
         publish_ttl: float,
+        *,
+        push: tuple[str, bytes | str] | None = None,
     ) -> PublishDecision:
         """Decide a publish in one round trip (the ``PUBLISH`` script): set the queued marker
-        for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`)."""
+        for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`).
+
+        ``push``: ``(list name, message)`` of a broker on this Redis: when the decision is
+        "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``)."""
         args: list[Any] = [task_id, fingerprint or "", _redis.ms(publish_ttl)]
         with _redis.translate_errors(record, "publish check"):
-            reply = self._publish(keys=[record, lock], args=args)
+            if push is None:
+                reply = self._publish(keys=[record, lock], args=args)
+            else:
+                reply = self._publish_and_push(keys=[record, lock, push[0]], args=[*args, push[1]])
         status = int(reply[0])
         if status == 1:
             return PublishDecision("publish")
