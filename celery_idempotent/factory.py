@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery_idempotent import signals
 from celery_idempotent._redis import make_client
@@ -33,19 +33,37 @@ __all__ = ["GuardFactory", "backend_label", "factory", "reset_backends"]
 Pair = tuple["LockProvider", "IdempotencyStore"]
 
 
+class _PairKey(NamedTuple):
+    """What makes two sets of settings share one (lock provider, store) pair."""
+
+    pid: int  # a client made before a fork must not be shared with the children
+    backend: tuple[str, Any]  # ("url", url), or ("client", id(the client or its factory))
+    key_prefix: str
+    serializer: str
+    accept: tuple[str, ...]
+    wait: tuple[int, float]  # idempotency_wait_replicas, idempotency_wait_timeout
+
+
+class _GuardKey(NamedTuple):
+    """One guard per task of an app, per process."""
+
+    pid: int
+    app: int  # id(app)
+    task_name: str
+
+
 class GuardFactory:
     """Makes and caches, per process, the backends of a set of settings and the guard of each
     task. Thread-safe; :meth:`reset` forgets everything made so far."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (pid, "url", url | "client", id(client), prefix, serializer, accept, wait) -> (the
-        # client setting or None, (lock provider, store)).
-        self._pairs: dict[tuple[Any, ...], tuple[Any, Pair]] = {}
-        # (pid, id(app), task name) -> (the settings it was built from, guard). The settings
-        # object is cached per app (settings.resolve), so "is" tells a stale entry: an app
-        # whose id was reused after garbage collection, or settings re-read after clear_cache().
-        self._guards: dict[tuple[Any, ...], tuple[IdempotencySettings, DistributedIdempotencyGuard]]
+        # -> (the client setting or None, (lock provider, store)).
+        self._pairs: dict[_PairKey, tuple[Any, Pair]] = {}
+        # -> (the settings it was built from, guard). The settings object is cached per app
+        # (settings.resolve), so "is" tells a stale entry: an app whose id was reused after
+        # garbage collection, or settings re-read after clear_cache().
+        self._guards: dict[_GuardKey, tuple[IdempotencySettings, DistributedIdempotencyGuard]]
         self._guards = {}
 
     def reset(self) -> None:
@@ -57,7 +75,7 @@ class GuardFactory:
     def guard(self, task: IdempotentTask, cfg: IdempotencySettings) -> DistributedIdempotencyGuard:
         """The guard of ``task`` in this process, built once from ``cfg`` (its settings);
         its events are sent as the task's signals (``signals.py``)."""
-        ident = (os.getpid(), id(task.app), task.name)
+        ident = _GuardKey(os.getpid(), id(task.app), task.name)
         entry = self._guards.get(ident)
         if entry is not None and entry[0] is cfg:
             return entry[1]
@@ -86,9 +104,14 @@ class GuardFactory:
         source = cfg.idempotency_client
         # A client (or its factory) is keyed by identity; the entry keeps it, so an id reused
         # after it was garbage collected cannot pick up another client's backends.
-        where = ("client", id(source)) if source is not None else ("url", cfg.backend_url)
-        wait = (cfg.idempotency_wait_replicas, cfg.idempotency_wait_timeout)
-        ident = (os.getpid(), *where, cfg.idempotency_key_prefix, serializer, tuple(accept), wait)
+        ident = _PairKey(
+            pid=os.getpid(),
+            backend=("client", id(source)) if source is not None else ("url", cfg.backend_url),
+            key_prefix=cfg.idempotency_key_prefix,
+            serializer=serializer,
+            accept=tuple(accept),
+            wait=(cfg.idempotency_wait_replicas, cfg.idempotency_wait_timeout),
+        )
         with self._lock:
             found = self._pairs.get(ident)
             if found is not None and found[0] is source:

@@ -3,7 +3,9 @@
 :func:`publish` is what ``IdempotentTask.apply_async`` does: it computes the key as the
 worker will, asks the store (``check_publish``) whether the key is completed, queued or
 running, and either returns a result object without publishing or sets a "queued" marker and
-publishes (removing the marker if the publish fails). The schedule slot
+publishes (removing the marker if the publish fails). With kombu's Redis transport the check
+runs where kombu pushes the message (:mod:`celery_idempotent._publish_redis`): on the store's
+own Redis, the check, the marker and the push are one script, one round trip. The schedule slot
 (``idempotency_window``) is stamped into the message's headers here. The worker ends the marker
 of a body that failed for good with :func:`drop_queued_marker`.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,7 +22,7 @@ from celery import states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_idempotent import keyspace, signals
+from celery_idempotent import _publish_redis, keyspace, signals
 from celery_idempotent.exceptions import (
     DuplicatePublishError,
     IdempotencyBackendError,
@@ -51,13 +54,25 @@ _CANVAS_OPTIONS = ("chain", "group_id", "chord", "group_index")
 Send = Callable[[Any, dict[str, Any]], Any]
 
 
+class _Check(NamedTuple):
+    """The publish-side check of one call, not made yet."""
+
+    store: RedisIdempotencyStore
+    record: str
+    lock: str
+    key: str
+    fingerprint: str | None
+    publish_ttl: float
+    policy: str
+
+
 class _PublishPlan(NamedTuple):
     """What ``apply_async`` does: return ``result`` (no message), or publish as ``task_id``,
-    removing the queued marker (store, record name) if the publish fails."""
+    after ``check`` when there is one (see :func:`_checked_publish`)."""
 
     result: Any = None
     task_id: str | None = None
-    marker: tuple[RedisIdempotencyStore, str] | None = None
+    check: _Check | None = None
 
 
 def publish(
@@ -70,9 +85,10 @@ def publish(
     link_error: Any,
     options: dict[str, Any],
     send: Send,
+    producer: Any = None,
 ) -> Any:
     """Publish a call of ``task`` unless it is a duplicate (see ``IdempotentTask.apply_async``):
-    ``send(task_id, options)`` publishes it."""
+    ``send(task_id, options)`` publishes it (with ``producer``, the caller's or ``None``)."""
     options = dict(options)
     policy = options.pop("idempotency_on_duplicate_publish", None)
     if policy is not None and policy not in DUPLICATE_PUBLISH_POLICIES:
@@ -87,16 +103,111 @@ def publish(
     )
     if plan.result is not None:
         return plan.result
-    try:
+    if plan.check is None or plan.task_id is None:
         return send(plan.task_id or task_id, options)
+    if _through_redis_broker(task.app, options, producer) and _publish_redis.install():
+        return _checked_publish(task, plan.task_id, plan.check, options, send)
+    decision = _check(task, plan.task_id, plan.check)
+    if decision is not None and not _publish_redis.goes_through(decision, plan.task_id):
+        return _duplicate_publish(task, plan.check, decision)
+    try:
+        return send(plan.task_id, options)
     except BaseException:
-        if plan.marker is not None and plan.task_id is not None:
-            store, record = plan.marker
-            try:
-                store.drop_queued(record, plan.task_id)
-            except Exception as exc:  # it expires after idempotency_publish_ttl
-                log.warning("could not remove the queued marker of %s: %r", task.name, exc)
+        if decision is not None:
+            _drop_marker(task, plan.task_id, plan.check, decision)
         raise
+
+
+def _checked_publish(
+    task: IdempotentTask, task_id: str, check: _Check, options: dict[str, Any], send: Send
+) -> Any:
+    """Publish through kombu's Redis transport with the check where kombu pushes the message
+    (``_publish_redis``): one round trip for both when the broker is the store's Redis."""
+    pending = _publish_redis.Pending(
+        check.store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+    )
+    token = _publish_redis.arm(pending)
+    try:
+        result = send(task_id, options)
+    except _publish_redis.Stopped:
+        decision = pending.decision
+        if decision is None:  # pragma: no cover - Stopped always carries its decision
+            raise
+        _forget_result_subscription(task, task_id)
+        return _duplicate_publish(task, check, decision)
+    except BaseException:
+        # The publish failed: remove the marker the check set, or may have set (a script that
+        # failed after its marker, at the push, or whose reply was lost: the marker names
+        # this call's task id, so no other call's marker is touched).
+        if pending.decision is not None:
+            _drop_marker(task, task_id, check, pending.decision)
+        elif pending.taken:
+            _drop_marker(task, task_id, check, PublishDecision("publish"))
+        raise
+    finally:
+        _publish_redis.disarm(token)
+    if not pending.taken:  # pragma: no cover - every Redis publish passes kombu's _put
+        log.debug("%s[%s] published without the publish-side check", task.name, task_id)
+    return result
+
+
+def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision | None:
+    """The store's decision (one round trip); ``None``: Redis unreachable, publish unchecked."""
+    try:
+        return check.store.check_publish(
+            check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+        )
+    except IdempotencyConnectionError as exc:
+        # Publishing without the check is safe: the worker's guard still decides.
+        log.warning("publish-side check of %s skipped, Redis unreachable: %s", task.name, exc)
+        return None
+
+
+def _drop_marker(
+    task: IdempotentTask, task_id: str, check: _Check, decision: PublishDecision
+) -> None:
+    """Remove the queued marker that ``decision`` set, after the publish failed."""
+    if decision.action != "publish" or decision.unchecked:
+        return
+    try:
+        check.store.drop_queued(check.record, task_id)
+    except Exception as exc:  # it expires after idempotency_publish_ttl
+        log.warning("could not remove the queued marker of %s: %r", task.name, exc)
+
+
+def _forget_result_subscription(task: IdempotentTask, task_id: str) -> None:
+    """Celery's Redis result backend subscribed to ``task_id``'s result before the message
+    was stopped: unsubscribe, as the result object of a published call does when dropped."""
+    consumer = getattr(task.backend, "result_consumer", None)
+    cancel = getattr(consumer, "cancel_for", None)
+    if callable(cancel):
+        try:
+            cancel(task_id)
+        except Exception as exc:  # pragma: no cover - a stale subscription costs nothing else
+            log.debug("could not unsubscribe from %s: %r", task_id, exc)
+
+
+#: app -> (its broker URL, whether that is kombu's Redis transport)
+_redis_brokers: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def _through_redis_broker(app: Any, options: dict[str, Any], producer: Any) -> bool:
+    """Whether this publish goes through kombu's Redis transport (where the check can travel
+    with the push); the broker is not connected to find out."""
+    if options.get("connection") is not None or app.conf.task_protocol == 1:
+        return False  # another connection; a message whose task id is not in its headers
+    if producer is not None:
+        return _publish_redis.is_redis_transport(type(producer.connection.transport))
+    url = app.conf.broker_write_url or app.conf.broker_url
+    found = _redis_brokers.get(app)
+    if found is None or found[0] != url:
+        connection = app.connection_for_write()
+        try:
+            is_redis = _publish_redis.is_redis_transport(connection.get_transport_cls())
+        finally:
+            connection.release()
+        found = _redis_brokers[app] = (url, is_redis)
+    return found[1]
 
 
 def _plan_publish(
@@ -153,29 +264,22 @@ def _plan_publish(
     store = guard.store
     if not isinstance(store, RedisIdempotencyStore):
         return _PublishPlan(task_id=task_id)
-    record = guard.record_key(key)
-    try:
-        decision = store.check_publish(
-            record, guard.lock_resource(key), task_id, fingerprint, cfg.idempotency_publish_ttl
-        )
-    except IdempotencyConnectionError as exc:
-        # Publishing without the check is safe: the worker's guard still decides.
-        log.warning("publish-side check of %s skipped, Redis unreachable: %s", task.name, exc)
-        return _PublishPlan(task_id=task_id)
-    if decision.action == "publish":
-        marker = None if decision.unchecked else (store, record)
-        return _PublishPlan(task_id=task_id, marker=marker)
-    if decision.action == "completed" and decision.task_id == task_id:
-        # The very call that completed, sent again with its task id: it goes through, as
-        # it does while queued (the worker replays it); no marker over the record.
-        return _PublishPlan(task_id=task_id)
-    return _PublishPlan(result=_duplicate_publish(task, policy, key, fingerprint, decision))
+    check = _Check(
+        store,
+        guard.record_key(key),
+        guard.lock_resource(key),
+        key,
+        fingerprint,
+        cfg.idempotency_publish_ttl,
+        policy,
+    )
+    return _PublishPlan(task_id=task_id, check=check)
 
 
-def _duplicate_publish(
-    task: IdempotentTask, policy: str, key: str, fingerprint: str | None, found: PublishDecision
-) -> Any:
-    """The result object for a publish of a key that is completed, queued or running."""
+def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecision) -> Any:
+    """The result object for a publish of a key that is completed, queued or running, or
+    :class:`IdempotencyMismatchError` / :class:`DuplicatePublishError`."""
+    key, fingerprint, policy = check.key, check.fingerprint, check.policy
     stored = found.stored_fingerprint
     if fingerprint is not None and stored is not None and stored != fingerprint:
         raise IdempotencyMismatchError(key, stored, fingerprint)

@@ -165,6 +165,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             send=lambda task_id, options: super(IdempotentTask, self).apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             ),
+            producer=producer,
         )
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:

@@ -97,10 +97,8 @@ def inspect(
     error: str | None = None
     if show_result and record is not None:
         try:
-            decoded = backend._codec.decode(
-                nkey, [None, *record[2:5], record[8], record[6], record[1]]
-            )
-            result = decoded.result
+            data = bytes(record[8]) if record[8] is not None else b""
+            result = backend.codec.loads(nkey, record[3], record[4], data)
         except Exception as exc:
             error = str(exc)
     doc: dict[str, Any] = {

@@ -16,6 +16,7 @@ from typing import Any
 
 from celery_idempotent import transactions
 from celery_idempotent._validate import check_duration
+from celery_idempotent.codec import ResultCodec
 from celery_idempotent.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.postgres.connections import (
     PsycopgTransactions,
@@ -27,9 +28,10 @@ from celery_idempotent.postgres.sql import (
     DEFAULT_TABLE,
     DIVISION_BY_ZERO,
     LOCK_NOT_AVAILABLE,
-    RowCodec,
     Statements,
     check_table,
+    decode_row,
+    encode_result,
     is_pg_error,
     quote_table,
 )
@@ -103,9 +105,9 @@ class PostgresBackend(PsycopgTransactions):
         self.cleanup_batch = cleanup_batch
         self.max_idle = max_idle
         self.create_table = create_table
-        self._codec = RowCodec(serializer, accept)
+        self.codec = ResultCodec(serializer, accept)
         self.serializer = serializer
-        self.accept = self._codec.accept
+        self.accept = self.codec.accept
         self.sql = Statements(self.table)
         super().__init__()
         self._next_cleanup = time.monotonic() + self.cleanup_interval * _jitter()
@@ -152,7 +154,7 @@ class PostgresBackend(PsycopgTransactions):
             return Claim(lease, None)
         self._rollback(tx)
         if found:
-            return Claim(None, self._codec.decode(row, found[0]))
+            return Claim(None, decode_row(self.codec, row, found[0]))
         return Claim(None, None)  # deleted meanwhile: try again
 
     def acquire(self, resource: str, ttl: float) -> Lease | None:
@@ -207,12 +209,12 @@ class PostgresBackend(PsycopgTransactions):
     def get(self, key: str) -> IdempotencyRecord | None:
         """The unexpired completed record of ``key`` (not waiting for a running holder)."""
         rows = self.autocommit([(self.sql.select, (self._row(key),))])[0]
-        return self._codec.decode(key, rows[0]) if rows else None
+        return decode_row(self.codec, key, rows[0]) if rows else None
 
     def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
         """Store ``record`` for ``ttl`` seconds in a transaction of its own."""
         ttl = check_duration("ttl", ttl)
-        ctype, encoding, data = self._codec.encode(key, record)
+        ctype, encoding, data = encode_result(self.codec, key, record)
         params = (
             self._row(key),
             record.fencing_token,
@@ -274,7 +276,7 @@ class PostgresBackend(PsycopgTransactions):
         if not self._alive(tx):
             self.release(lease)
             return False
-        ctype, encoding, data = self._codec.encode(key, record)
+        ctype, encoding, data = encode_result(self.codec, key, record)
         params = (
             record.fingerprint,
             ctype,
