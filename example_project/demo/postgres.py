@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from celery_idempotent.servers.processes import pid_alive, spawn, stop_process, tail
-from example_project.processes import start_redis
+from example_project.demo.processes import start_redis
 
 __all__ = ["main"]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
