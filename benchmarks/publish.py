@@ -13,8 +13,9 @@ queued marker and the message is published):
 Blocks of ``calls`` publishes take turns, the order rotated every round. Reported: publishes
 per second of each kind over all rounds, the ratio to plain over all rounds and as the median
 of the per-round ratios, the round trips counted at the idempotency client per checked
-publish, and every request this process sent to Redis per publish (all clients: the broker's,
-the result backend's subscription, ours) with the commands of one publish of each kind.
+publish, and every request this process sent to Redis per publish (all clients: the broker's
+and ours; not the result backend's pub/sub, see :class:`_Requests`) with the commands of one
+publish of each kind.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ KINDS = ("plain", "checked", "two_step")
 
 
 class _Requests:
-    """Every request any redis-py connection of this process writes, but those it sends with
-    ``check_health=False`` (health-check PINGs, handshakes; connections open in the warm-up)."""
+    """Every request any redis-py connection of this process writes, but those sent with
+    ``check_health=False``: handshakes, health-check PINGs, and the pub/sub commands of a
+    connection already subscribed (Celery's result backend (UN)SUBSCRIBEs each task id
+    without waiting for a reply, alike for every kind)."""
 
     sends = 0
     names: list[str] | None = None
@@ -47,7 +50,7 @@ def _all_requests() -> Iterator[None]:
     original = base.send_packed_command
 
     def send_packed_command(self: Any, command: Any, check_health: bool = True) -> Any:
-        if not check_health:  # a health-check PING, a handshake
+        if not check_health:  # a handshake, a health-check PING, pub/sub
             return original(self, command, check_health)
         _Requests.sends += 1
         if _Requests.names is not None:
@@ -205,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     import os
     import secrets
 
-    from benchmarks._server import PrivateRedis
     from benchmarks.run import _delete_prefix, _render_publish
+    from celery_idempotent.servers.redis_server import start_private_redis
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.publish", description=__doc__)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
-        url = args.redis_url or stack.enter_context(PrivateRedis())
+        url = args.redis_url or stack.enter_context(start_private_redis()).url()
         prefix = f"cibench:{secrets.token_hex(4)}:"
         client = redis.Redis.from_url(url)
         stack.callback(client.close)

@@ -316,7 +316,7 @@ def _render_publish(pub: dict[str, Any]) -> list[str]:
         "interleaved, to a queue no worker consumes):",
         "",
         "| publish | per s | µs per call | vs plain | vs plain, median of rounds "
-        "| Redis requests per publish (all clients) |",
+        "| Redis requests per publish |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for label, kind, per_s, us, ratio, median in rows:
@@ -327,8 +327,8 @@ def _render_publish(pub: dict[str, Any]) -> list[str]:
     lines.append("")
     lines.append(
         f"The check: {pub['idempotency_round_trips_per_publish']:g} round trip at the "
-        "idempotency client per checked publish (SUBSCRIBE/UNSUBSCRIBE: Celery's Redis result "
-        "backend, alike for every kind)."
+        "idempotency client per checked publish. Requests: every client of the process (the "
+        "broker's, ours), not the result backend's pub/sub (alike for every kind)."
     )
     return lines
 

@@ -42,7 +42,7 @@ from celery_idempotent.protocols import (
     LockProvider,
 )
 
-__all__ = ["TwoStepBackend", "backend_call"]
+__all__ = ["TwoStepBackend", "backend_call", "release_quietly"]
 
 T = TypeVar("T")
 log = logging.getLogger("celery_idempotent")
@@ -156,12 +156,17 @@ class TwoStepBackend:
         self._give_back(key, lease)
 
     def _give_back(self, key: str, lease: Lease) -> None:
-        try:
-            self.lock_provider.release(lease)
-        except Exception as exc:
-            # Never mask what was decided; the lease expires on its own within lock_ttl.
-            log.warning(
-                "could not release the lock of key #%s (%r); it expires by itself",
-                key_digest(key),
-                exc,
-            )
+        release_quietly(self.lock_provider, lease, key)
+
+
+def release_quietly(lock_provider: LockProvider, lease: Lease, key: str) -> None:
+    """Release ``lease``; a failure is logged (naming ``key`` by its digest), never raised:
+    it must not mask what was decided, and the lease expires on its own."""
+    try:
+        lock_provider.release(lease)
+    except Exception as exc:
+        log.warning(
+            "could not release the lock of key #%s (%r); it expires by itself",
+            key_digest(key),
+            exc,
+        )
