@@ -21,8 +21,8 @@ from celery_idempotent import (
     LockAcquisitionError,
     current_lease,
 )
+from celery_idempotent._redis import glob_escape
 from celery_idempotent.keys import key_digest as _hash
-from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.redis
 
@@ -74,7 +74,7 @@ def calls() -> Calls:
 
 
 def keys_under(redis_client: Any, prefix: str) -> list[bytes]:
-    return list(redis_client.scan_iter(match=escape_glob(prefix) + "*"))
+    return list(redis_client.scan_iter(match=glob_escape(prefix) + "*"))
 
 
 # --------------------------------------------------------------------------- apply / eager
