@@ -187,27 +187,29 @@ def _forget_result_subscription(task: IdempotentTask, task_id: str) -> None:
             log.debug("could not unsubscribe from %s: %r", task_id, exc)
 
 
-#: app -> (its broker URL, whether that is kombu's Redis transport)
-_redis_brokers: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+#: app -> whether its broker is kombu's Redis transport (read at its first checked publish, as
+#: Celery builds the app's producer pool once).
+_redis_brokers: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _through_redis_broker(app: Any, options: dict[str, Any], producer: Any) -> bool:
     """Whether this publish goes through kombu's Redis transport (where the check can travel
     with the push); the broker is not connected to find out."""
-    if options.get("connection") is not None or app.conf.task_protocol == 1:
-        return False  # another connection; a message whose task id is not in its headers
+    if options.get("connection") is not None:
+        return False  # published on another connection than the app's
     if producer is not None:
         return _publish_redis.is_redis_transport(type(producer.connection.transport))
-    url = app.conf.broker_write_url or app.conf.broker_url
     found = _redis_brokers.get(app)
-    if found is None or found[0] != url:
-        connection = app.connection_for_write()
-        try:
-            is_redis = _publish_redis.is_redis_transport(connection.get_transport_cls())
-        finally:
-            connection.release()
-        found = _redis_brokers[app] = (url, is_redis)
-    return found[1]
+    if found is None:
+        found = False
+        if app.conf.get("task_protocol") != 1:  # protocol 1: the task id is not in the headers
+            connection = app.connection_for_write()
+            try:
+                found = _publish_redis.is_redis_transport(connection.get_transport_cls())
+            finally:
+                connection.release()
+        _redis_brokers[app] = found
+    return found
 
 
 def _plan_publish(
@@ -236,7 +238,7 @@ def _plan_publish(
     if (
         policy == "publish"
         or cfg.in_memory
-        or task.app.conf.task_always_eager
+        or task.app.conf.get("task_always_eager")
         or link
         or link_error
         or any(options.get(name) is not None for name in _CANVAS_OPTIONS)

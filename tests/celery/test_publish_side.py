@@ -497,6 +497,41 @@ def test_on_the_brokers_redis_the_check_and_the_push_are_one_script(
         pub.client().delete(broker_list)
 
 
+def test_threads_publishing_one_key_at_once_make_one_message(pub: ModuleType) -> None:
+    """Real threads, each arming its own check (a context variable per thread), publish the
+    same call at once through the shared app: one message, one task id for all; and distinct
+    calls from the same threads are each published once."""
+    import threading
+
+    t = tag()
+    queue = f"{pub.QUEUE}-threads"  # no worker consumes it
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    pub.charge.apply_async((tag(), 9), queue=queue)  # the queue declared
+    pub.client().delete(broker_list)
+    barrier = threading.Barrier(8)
+    ids: list[str] = []
+    errors: list[BaseException] = []
+
+    def publish(n: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            ids.append(pub.charge.apply_async((t, 9), queue=queue).id)
+            ids.append(pub.charge.apply_async((f"{t}-{n}", 9), queue=queue).id)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert len(ids) == 16
+    assert len(set(ids)) == 1 + 8  # one id for the shared call, one per distinct call
+    assert pub.client().llen(broker_list) == 1 + 8
+    pub.client().delete(broker_list)
+
+
 def test_a_push_that_fails_in_the_script_removes_its_marker(pub: ModuleType) -> None:
     """The marker is set and the push fails in the same script (the queue's name holds a
     string): the caller gets the error and no marker is left behind."""
