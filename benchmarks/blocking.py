@@ -12,7 +12,7 @@ Redis and the real guard:
   around the lease: the longest that kept its lease and the shortest that lost it.
 
 Prints a table and one JSON line per library. Without ``--redis-url`` (or ``REDIS_URL``) a
-private server is started (see ``benchmarks/_server.py``).
+private server is started (``celery_idempotent.servers.redis_server``).
 """
 
 from __future__ import annotations
@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from benchmarks._server import PrivateRedis
+        from celery_idempotent.servers.redis_server import start_private_redis
 
-        server = PrivateRedis()
-        url = server.start()
+        server = start_private_redis()
+        url = server.url()
     try:
         rows = []
         for lib in LIBS:

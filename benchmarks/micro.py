@@ -67,7 +67,7 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
     the competitors' cases left out because their package is not installed (name: reason)."""
     from celery_idempotent import DistributedIdempotencyGuard
     from celery_idempotent.locks.redis import RedisLockProvider
-    from celery_idempotent.stores.redis import RedisIdempotencyStore
+    from celery_idempotent.stores.redis import RedisAtomicBackend, RedisIdempotencyStore
 
     cases: list[Case] = []
 
@@ -94,7 +94,8 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
         lock_provider=RedisLockProvider(client),
         key_prefix=f"{prefix}ci:",
     )
-    assert guard._atomic is not None, "the store and lock provider should pair atomically"
+    paired = isinstance(guard.backend, RedisAtomicBackend)
+    assert paired, "the store and lock provider should pair atomically"
 
     def guard_first(i: int) -> Any:
         return guard.execute(f"charge:{i}", body, input=payload(i))
@@ -142,7 +143,7 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
             lock_provider=RedisLockProvider(client),
             key_prefix=f"{prefix}{name}:",
         )
-        atomic: Any = offline._atomic
+        atomic: Any = offline.backend
         atomic._claim = lambda keys, args: claim_reply
         atomic.store._commit = lambda keys, args: 1
         return offline

@@ -231,17 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pg_url = options.postgres_url
         if not pg_url:
-            from celery_idempotent._pgserver import PostgresServer
+            from celery_idempotent.servers.postgres_server import PostgresServer
 
             servers.append(PostgresServer().start())
             pg_url = servers[-1].url
         redis_url = options.redis_url
         if not redis_url:
-            from benchmarks._server import start_redis  # type: ignore[attr-defined]
+            from celery_idempotent.servers.redis_server import start_private_redis
 
-            server = start_redis()
+            server = start_private_redis()
             servers.append(server)
-            redis_url = server.url
+            redis_url = server.url()
         table = f"bench_{uuid.uuid4().hex[:8]}"
         with psycopg.connect(pg_url, autocommit=True) as conn:
             conn.execute(f'CREATE TABLE "{table}_payments" (key text)')

@@ -1,29 +1,73 @@
 """Publish throughput: ``apply_async`` of an ``IdempotentTask`` (publish-side check on) against
 the same call of a plain task, to a Redis broker queue that no worker consumes.
 
-Both tasks take distinct arguments each call (every publish is a first one: the check sets a
-queued marker, then the message is published). Blocks alternate between the two kinds, the
-order rotated per round. The idempotency client counts its round trips: the check is one.
+Three kinds, each call with distinct arguments (every publish is a first one: the check sets a
+queued marker and the message is published):
+
+- ``plain``: ``@app.task``;
+- ``checked``: ``base=IdempotentTask``, the idempotency store on the broker's Redis and
+  database: the check and kombu's push travel as one script (one round trip, as plain);
+- ``two_step``: the same task with its store on another database of the same server: the
+  check (one round trip), then kombu's own push (another), as with a broker on another Redis.
+
+Blocks of ``calls`` publishes take turns, the order rotated every round. Reported: publishes
+per second of each kind over all rounds, the ratio to plain over all rounds and as the median
+of the per-round ratios, the round trips counted at the idempotency client per checked
+publish, and every request this process sent to Redis per publish (all clients: the broker's
+and ours; not the result backend's pub/sub, see :class:`_Requests`) with the commands of one
+publish of each kind.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import redis
 from celery import Celery
 
 from benchmarks._counting import Counter, counting_client
 
+KINDS = ("plain", "checked", "two_step")
 
-def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
-    """Publishes per second of each kind, their ratio, and round trips per checked publish."""
-    from celery_idempotent import IdempotentTask
-    from celery_idempotent.task import reset_backends
 
-    queue = f"{prefix}publish"
-    idem = counting_client(url)
-    app = Celery("cibench_publish", broker=url, backend=url, set_as_current=False)
+class _Requests:
+    """Every request any redis-py connection of this process writes, but those sent with
+    ``check_health=False``: handshakes, health-check PINGs, and the pub/sub commands of a
+    connection already subscribed (Celery's result backend (UN)SUBSCRIBEs each task id
+    without waiting for a reply, alike for every kind)."""
+
+    sends = 0
+    names: list[str] | None = None
+
+
+@contextmanager
+def _all_requests() -> Iterator[None]:
+    base = redis.connection.AbstractConnection
+    original = base.send_packed_command
+
+    def send_packed_command(self: Any, command: Any, check_health: bool = True) -> Any:
+        if not check_health:  # a handshake, a health-check PING, pub/sub
+            return original(self, command, check_health)
+        _Requests.sends += 1
+        if _Requests.names is not None:
+            first = command if isinstance(command, (bytes, bytearray)) else command[0]
+            parts = bytes(first[:64]).split(b"\r\n")
+            _Requests.names.append(parts[2].decode().upper() if len(parts) > 2 else "?")
+        return original(self, command, check_health)
+
+    base.send_packed_command = send_packed_command  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        base.send_packed_command = original  # type: ignore[method-assign]
+
+
+def _app(url: str, prefix: str, name: str, idem: redis.Redis, queue: str) -> Celery:
+    app = Celery(name, broker=url, backend=url, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
         task_serializer="json",
@@ -33,44 +77,156 @@ def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
         idempotency_key_prefix=f"{prefix}pub:",
         idempotency_publish_ttl=600,
     )
+    return app
+
+
+def _other_database(url: str) -> str:
+    """``url`` with the database number changed (0 <-> 1, 2 <-> 3, ...)."""
+    db = int(redis.Redis.from_url(url).connection_pool.connection_kwargs.get("db") or 0)
+    base, _, query = url.partition("?")
+    head, slash, tail = base.rpartition("/")
+    if slash and head.count("/") >= 2 and (tail == "" or tail.isdigit()):
+        base = f"{head}/{db ^ 1}"
+    else:
+        base = f"{base.rstrip('/')}/{db ^ 1}"
+    return f"{base}?{query}" if query else base
+
+
+def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
+    """Publishes per second of each kind, their ratios, and round trips per publish."""
+    from celery_idempotent import IdempotentTask
+    from celery_idempotent.factory import reset_backends
+
+    queue = f"{prefix}publish"
+    idem = counting_client(url)
+    other_url = _other_database(url)
+    idem_other = counting_client(other_url)
+    app = _app(url, prefix, "cibench_publish", idem, queue)
+    app_other = _app(url, prefix, "cibench_publish_other", idem_other, queue)
 
     @app.task(name="cibench.publish.plain", shared=False)
     def plain(i: int, tag: str) -> int:
         return i
 
     @app.task(name="cibench.publish.idempotent", base=IdempotentTask, shared=False)
-    def idempotent(i: int, tag: str) -> int:
+    def checked(i: int, tag: str) -> int:
+        return i
+
+    @app_other.task(name="cibench.publish.idempotent", base=IdempotentTask, shared=False)
+    def two_step(i: int, tag: str) -> int:
         return i
 
     reset_backends()
-    seconds = {"plain": 0.0, "idempotent": 0.0}
-    trips = 0
+    tasks = {"plain": plain, "checked": checked, "two_step": two_step}
+    seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    idem_trips = dict.fromkeys(KINDS, 0)
+    requests = dict.fromkeys(KINDS, 0)
+    commands: dict[str, list[str]] = {}
     counter = 0
-    tasks = {"plain": plain, "idempotent": idempotent}
-    for warm in range(50):
-        plain.apply_async((warm, "warm"))
-        idempotent.apply_async((warm, "warm"))
-    for r in range(rounds):
-        order = ["plain", "idempotent"] if r % 2 == 0 else ["idempotent", "plain"]
-        for kind in order:
-            task = tasks[kind]
-            before = Counter.sends
-            t0 = time.perf_counter()
-            for _ in range(calls):
+    try:
+        with _all_requests():
+            for warm in range(50):
+                for task in tasks.values():
+                    task.apply_async((warm, "warm"))
+            for kind, task in tasks.items():  # one publish each, traced
+                _Requests.names = []
                 counter += 1
-                task.apply_async((counter, "run"))
-            seconds[kind] += time.perf_counter() - t0
-            if kind == "idempotent":
-                trips += Counter.sends - before
+                task.apply_async((counter, "trace"))
+                commands[kind] = _Requests.names
+                _Requests.names = None
+            fused = {
+                kind: _fuses(app_of, tasks[kind])
+                for kind, app_of in (("checked", app), ("two_step", app_other))
+            }
+            for r in range(rounds):
+                order = list(KINDS[r % 3 :] + KINDS[: r % 3])
+                for kind in order:
+                    task = tasks[kind]
+                    before, sent = Counter.sends, _Requests.sends
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        counter += 1
+                        task.apply_async((counter, "run"))
+                    seconds[kind].append(time.perf_counter() - t0)
+                    idem_trips[kind] += Counter.sends - before
+                    requests[kind] += _Requests.sends - sent
+    finally:
+        reset_backends()
+        app.close()
+        app_other.close()
+        _delete(idem_other, prefix)
+        idem.close()
+        idem_other.close()
     n = rounds * calls
-    out = {
+    total = {kind: sum(seconds[kind]) for kind in KINDS}
+    per_round = {kind: [p / c for p, c in zip(seconds["plain"], seconds[kind])] for kind in KINDS}
+    return {
         "publishes_per_kind": n,
-        "plain_per_s": round(n / seconds["plain"]),
-        "idempotent_per_s": round(n / seconds["idempotent"]),
-        "ratio": round(seconds["plain"] / seconds["idempotent"], 3),
-        "idempotency_round_trips_per_publish": trips / n,
+        "rounds": rounds,
+        "calls": calls,
+        "plain_per_s": round(n / total["plain"]),
+        "idempotent_per_s": round(n / total["checked"]),
+        "two_step_per_s": round(n / total["two_step"]),
+        "plain_us": round(total["plain"] / n * 1e6, 1),
+        "idempotent_us": round(total["checked"] / n * 1e6, 1),
+        "two_step_us": round(total["two_step"] / n * 1e6, 1),
+        "ratio": round(total["plain"] / total["checked"], 3),
+        "ratio_median_of_rounds": round(statistics.median(per_round["checked"]), 3),
+        "ratio_two_step": round(total["plain"] / total["two_step"], 3),
+        "ratio_two_step_median_of_rounds": round(statistics.median(per_round["two_step"]), 3),
+        "idempotency_round_trips_per_publish": idem_trips["checked"] / n,
+        "idempotency_round_trips_per_publish_two_step": idem_trips["two_step"] / n,
+        "redis_requests_per_publish": {kind: requests[kind] / n for kind in KINDS},
+        "commands_of_one_publish": commands,
+        "fused": fused,
     }
-    reset_backends()
-    app.close()
-    idem.close()
-    return out
+
+
+def _fuses(app: Celery, task: Any) -> bool:
+    """Whether the check of ``task`` travels with the broker's push (store on its Redis)."""
+    from celery_idempotent import _publish_redis
+    from celery_idempotent.factory import factory
+
+    task = getattr(task, "_get_current_object", lambda: task)()
+    store = factory.guard(task, task.idempotency_settings()).store
+    with app.producer_or_acquire() as producer:
+        return _publish_redis.can_fuse(producer.channel, store)
+
+
+def _delete(client: redis.Redis, prefix: str) -> None:
+    names = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    for start in range(0, len(names), 500):
+        client.delete(*names[start : start + 500])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.publish``: this part alone, printed as ``python -m benchmarks``
+    prints it (nothing written)."""
+    import argparse
+    import contextlib
+    import json
+    import os
+    import secrets
+
+    from benchmarks.run import _delete_prefix, _render_publish
+    from celery_idempotent.servers.redis_server import start_private_redis
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.publish", description=__doc__)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(start_private_redis()).url()
+        prefix = f"cibench:{secrets.token_hex(4)}:"
+        client = redis.Redis.from_url(url)
+        stack.callback(client.close)
+        stack.callback(_delete_prefix, client, prefix)
+        result = run(url, prefix, rounds=args.rounds, calls=args.calls)
+    print(json.dumps(result, indent=2) if args.json else "\n".join(_render_publish(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

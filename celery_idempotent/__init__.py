@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from celery_idempotent._txn import current_connection
 from celery_idempotent.backoff import ExponentialJitterBackoff
 from celery_idempotent.exceptions import (
     CommitUnknownError,
@@ -42,6 +41,7 @@ from celery_idempotent.protocols import (
     LockProvider,
 )
 from celery_idempotent.stores.memory import MemoryIdempotencyStore
+from celery_idempotent.transactions import current_connection
 
 if TYPE_CHECKING:
     from celery_idempotent.admin import IdempotencyStatus

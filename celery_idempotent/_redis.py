@@ -39,6 +39,7 @@ __all__ = [
     "FORGET",
     "HOLDER",
     "PUBLISH",
+    "PUBLISH_AND_PUSH",
     "READ_KEY",
     "RELEASE",
     "SentinelClientFactory",
@@ -287,6 +288,21 @@ redis.call('set', KEYS[1], '"""
     + keyspace.SEP
     + """' .. ARGV[2], 'PX', ARGV[3])
 return {1}
+"""
+)
+
+# KEYS[1] record  KEYS[2] lock  KEYS[3] the broker's queue (a kombu Redis list)
+# ARGV[1..3] as PUBLISH  ARGV[4] the message as kombu's Redis transport pushes it
+# PUBLISH's decision (its very text, run as a function), then the message pushed in the same
+# step when it says publish ({1}, {7}): one round trip for the check and the broker's LPUSH
+# when the broker is this Redis. Replies as PUBLISH; nothing pushed for the others.
+PUBLISH_AND_PUSH = (
+    "local function decide()\n"
+    + PUBLISH
+    + """end
+local r = decide()
+if r[1] == 1 or r[1] == 7 then redis.call('lpush', KEYS[3], ARGV[4]) end
+return r
 """
 )
 

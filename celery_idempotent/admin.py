@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery_idempotent import _redis, keyspace
+from celery_idempotent.codec import serializer_info
 from celery_idempotent.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.keyspace import fence_name, lock_name, record_name
 
@@ -248,11 +249,13 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
             fields = None
         if fields is not None:
             layout, raw = keyspace.RECORD_VERSION, value if with_data else None
+            info = serializer_info(fields.serializer)
             header = len(value) - len(fields.data)
             record = {
                 "version": layout,
-                "content_type": _content_type(fields.serializer),
-                "encoding": _content_encoding(fields.serializer),
+                # kombu's content type for the serializer, or its name itself when unknown
+                "content_type": info.content_type if info else fields.serializer,
+                "encoding": info.content_encoding if info else None,
                 "size": int(size) - header,
                 "fingerprint": fields.fingerprint,
                 "committed_at": fields.created_at,
@@ -304,21 +307,6 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
         queued_task_id=None if queued is None else queued[0],
         queued_ttl=_ttl(rttl) if queued is not None else None,
     )
-
-
-def _content_type(serializer: str | None) -> str | None:
-    """kombu's content type for a serializer name, or the name itself when unknown."""
-    import kombu.serialization  # noqa: PLC0415 - the CLI has Celery, so kombu, anyway
-
-    codec = kombu.serialization.registry._encoders.get(serializer or "")
-    return codec.content_type if codec is not None else serializer
-
-
-def _content_encoding(serializer: str | None) -> str | None:
-    import kombu.serialization  # noqa: PLC0415
-
-    codec = kombu.serialization.registry._encoders.get(serializer or "")
-    return codec.content_encoding if codec is not None else None
 
 
 def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:

@@ -13,35 +13,34 @@ here. One call of :meth:`DistributedIdempotencyGuard.execute` goes::
                  └── commit while still the holder ──> return the result
     finally: release the lease, only if it is still ours.
 
-With an :class:`~celery_idempotent.protocols.AtomicBackend` (the Redis store paired with the
-Redis lock provider) "attempt lock + look up" is one call and "commit + release" is another.
+"Attempt lock + look up" is one call of an :class:`~celery_idempotent.protocols.AtomicBackend`
+and "commit + release" another: the store's own (``atomic_with``: the Redis store paired with
+the Redis lock provider, PostgreSQL), else the two backends in separate calls
+(:class:`~celery_idempotent.two_step.TwoStepBackend`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import random as _random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from celery_idempotent import _renewal
 from celery_idempotent._validate import check_count, check_delay, check_duration
 from celery_idempotent.backoff import ExponentialJitterBackoff, Sleep, event_sleep
+from celery_idempotent.commit import commit_lease
 from celery_idempotent.exceptions import (
-    CommitUnknownError,
     IdempotencyAbortedError,
     IdempotencyBackendError,
-    IdempotencyConnectionError,
-    IdempotencyError,
     IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
 )
 from celery_idempotent.keys import fingerprint_payload, key_digest
 from celery_idempotent.keyspace import lock_name, record_name
+from celery_idempotent.outcome import ABSENT, GuardEvent, Outcome, current_lease, running_under
 from celery_idempotent.protocols import (
     AtomicBackend,
     Claim,
@@ -50,66 +49,20 @@ from celery_idempotent.protocols import (
     Lease,
     LockProvider,
     PairsAtomically,
-    required_methods,
+    check_implements,
 )
+from celery_idempotent.two_step import TwoStepBackend, backend_call, release_quietly
 
-__all__ = ["DistributedIdempotencyGuard", "GuardEvent", "Outcome", "current_lease"]
+__all__ = [
+    "ABSENT",
+    "DistributedIdempotencyGuard",
+    "GuardEvent",
+    "Outcome",
+    "current_lease",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("celery_idempotent")
-
-
-#: Between resends of a commit whose reply was lost: 0.05 s, doubling, at most 1 s, no jitter
-#: (one caller, nobody to fall out of step with).
-_RESEND = ExponentialJitterBackoff(0.05, 1.0, jitter="none")
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-#: The default of ``input``: no payload given, so no fingerprint is stored or compared.
-ABSENT: Any = _Absent()
-
-_current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
-    "celery_idempotent_lease", default=None
-)
-
-
-def current_lease() -> Lease | None:
-    """The lease under which the current guarded body runs, or ``None`` outside of one.
-
-    Pass ``current_lease().fencing_token`` to a downstream system that can refuse writes
-    carrying a token older than one it has already seen: a body whose lease expired (a
-    stalled worker) is then stopped at the door even if it keeps running.
-    """
-    return _current_lease.get()
-
-
-@dataclass(frozen=True)
-class Outcome(Generic[T]):
-    """What :meth:`DistributedIdempotencyGuard.run` did: ``value`` came from the store when
-    ``replayed``, else from running the body; ``fencing_token`` is the lease's (first run) or
-    the stored record's (replay); ``attempts`` counts lock attempts."""
-
-    value: T
-    replayed: bool
-    fencing_token: int | None
-    attempts: int
-
-
-@dataclass(frozen=True)
-class GuardEvent:
-    """Reported to ``on_event``: ``kind`` is ``"replay"``, ``"contention"`` (an attempt found
-    the key held), ``"committed"`` or ``"lease_lost"``; ``elapsed`` is seconds since execute
-    began (guard clock)."""
-
-    kind: str
-    key: str
-    attempt: int
-    elapsed: float
-    fencing_token: int | None = None
 
 
 class DistributedIdempotencyGuard:
@@ -147,16 +100,8 @@ class DistributedIdempotencyGuard:
         random: Callable[[], float] = _random.random,
         on_event: Callable[[GuardEvent], None] | None = None,
     ) -> None:
-        for name, obj, methods in (
-            ("store", store, required_methods(IdempotencyStore)),
-            ("lock_provider", lock_provider, required_methods(LockProvider)),
-        ):
-            missing = [m for m in methods if not callable(getattr(obj, m, None))]
-            if missing:
-                raise TypeError(
-                    f"{name} must implement {', '.join(methods)}; "
-                    f"{type(obj).__name__} lacks {', '.join(missing)}"
-                )
+        check_implements("store", store, IdempotencyStore)
+        check_implements("lock_provider", lock_provider, LockProvider)
         for name, fn in (
             ("fingerprint_fn", fingerprint_fn),
             ("clock", clock),
@@ -204,8 +149,13 @@ class DistributedIdempotencyGuard:
             self.retry_base_delay, self.retry_max_delay, random
         )
         self._on_event = on_event
-        self._atomic: AtomicBackend | None = (
-            store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
+        paired = store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
+        #: What claims and commits: the store's own atomic backend for ``lock_provider``, else
+        #: a :class:`~celery_idempotent.two_step.TwoStepBackend` of the two.
+        self.backend: AtomicBackend = (
+            paired
+            if paired is not None
+            else TwoStepBackend(lock_provider, store, self.lock_ttl, monotonic=time.monotonic)
         )
 
     def __repr__(self) -> str:
@@ -287,19 +237,28 @@ class DistributedIdempotencyGuard:
 
         committed = False
         try:
-            if record is None and self._atomic is None:
-                record = self._backend(key, "store get", self.store.get, rkey)
-            if record is not None:
-                return self._replay(key, record, fingerprint, attempts, started)
             value, renewal = self._run_body(key, fn, lease, started)
             # Whole µs: the Redis store writes those compactly (see keyspace).
             stamp = round(self.clock(), 6)
             new = IdempotencyRecord(value, fingerprint, stamp, lease.fencing_token, task_id)
-            committed = self._commit(key, rkey, lease, new, started, renewal=renewal)
+            commit_lease(
+                self.backend,
+                key,
+                rkey,
+                lease,
+                new,
+                ttl=self.ttl,
+                lock_ttl=self.lock_ttl,
+                sleep=self._sleep,
+                renewal=renewal,
+                lost=lambda: self._emit("lease_lost", key, 0, started, lease.fencing_token),
+            )
+            committed = True  # the commit released the lock
+            self._emit("committed", key, 0, started, lease.fencing_token)
             return Outcome(value, False, lease.fencing_token, attempts)
         finally:
             if not committed:
-                self._release(key, lease)
+                release_quietly(self.lock_provider, lease, key)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -307,7 +266,7 @@ class DistributedIdempotencyGuard:
         self, key: str, resource: str, rkey: str, abort: Any, started: float
     ) -> tuple[Lease | None, IdempotencyRecord | None, int]:
         """Attempt the lock up to ``1 + retry_count`` times. Returns (lease, record, attempts):
-        a lease (record only from an atomic claim, else None), or a record and no lease."""
+        a lease and no record, or a record and no lease."""
         attempts = 0
         total = 1 + self.retry_count
         while True:
@@ -315,16 +274,10 @@ class DistributedIdempotencyGuard:
                 raise IdempotencyAbortedError(key, attempts)
             attempts += 1
             sent = self.clock()
-            if self._atomic is not None:
-                claim: Claim = self._backend(
-                    key, "claim", self._atomic.claim, resource, rkey, self.lock_ttl
-                )
-                lease, record = claim.lease, claim.record
-            else:
-                lease = self._backend(
-                    key, "lock acquire", self.lock_provider.acquire, resource, self.lock_ttl
-                )
-                record = None
+            claim: Claim = backend_call(
+                key, "claim", self.backend.claim, resource, rkey, self.lock_ttl
+            )
+            lease, record = claim.lease, claim.record
             if lease is not None and not self._still_ours(key, lease, sent):
                 pass  # it ran out before its reply came: claim again (an attempt like any)
             elif lease is not None or record is not None:
@@ -348,7 +301,7 @@ class DistributedIdempotencyGuard:
         if waited < self.renew_interval:
             return True
         ours = bool(
-            self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
+            backend_call(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl)
         )
         if not ours:
             log.warning(
@@ -387,11 +340,10 @@ class DistributedIdempotencyGuard:
             self.renew_interval,
             label=f"key #{key_digest(key)}",
         )
-        token = _current_lease.set(lease)
         try:
-            value = fn()
+            with running_under(lease):
+                value = fn()
         finally:
-            _current_lease.reset(token)
             _renewal.stop(renewal)
         if renewal.lost:  # the keeper has logged it, with its cause
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
@@ -399,140 +351,6 @@ class DistributedIdempotencyGuard:
                 key, value, f"lease lost while the body ran: {renewal.cause}; not committed"
             ) from renewal.error
         return value, renewal
-
-    def _commit(
-        self,
-        key: str,
-        rkey: str,
-        lease: Lease,
-        record: IdempotencyRecord,
-        started: float,
-        *,
-        renewal: _renewal.Renewal | None = None,
-    ) -> bool:
-        """Store the record while still the holder. True when the commit also released.
-
-        A connection error leaves the outcome open: the request may have reached the server and
-        only its reply been lost. The commit is safe to send again (it answers "stored" when
-        this lease's record is already there, "not the holder" otherwise), so it is sent again
-        with back-off for up to ``lock_ttl`` seconds before the outcome is reported unknown.
-        """
-        waited, resends = 0.0, 0
-        wrote: list[bool] = []  # two-step path: a record write was sent (it may have landed)
-        while True:
-            try:
-                ok, released = self._commit_once(key, rkey, lease, record, wrote)
-                break
-            except IdempotencyConnectionError as exc:
-                if waited >= self.lock_ttl:
-                    self._emit("lease_lost", key, 0, started, lease.fencing_token)
-                    raise CommitUnknownError(
-                        key,
-                        record.result,
-                        f"the commit could not be confirmed for {waited:.1f}s ({exc}): the "
-                        "result may or may not be stored; look it up before compensating",
-                    ) from exc
-                log.warning(
-                    "commit of key #%s unconfirmed (%s); sending it again", key_digest(key), exc
-                )
-                delay = _RESEND.delay(resends)
-                self._sleep(delay, None)
-                waited += delay
-                resends += 1
-            except IdempotencyBackendError as exc:
-                # The backend refused the commit (not a lost reply): nothing was stored. The
-                # body's side effects happened, so the caller still gets its result.
-                log.warning(
-                    "celery-idempotent: commit of key #%s refused by the backend (%s); its "
-                    "result is not committed",
-                    key_digest(key),
-                    exc,
-                )
-                self._emit("lease_lost", key, 0, started, lease.fencing_token)
-                raise LockLostError(
-                    key, record.result, f"the commit failed: {exc}; the result is not stored"
-                ) from exc
-        if not ok:
-            cause = "the commit found the lock no longer held by this lease (ran out or taken)"
-            if renewal is None or _renewal.claim_report(renewal):
-                log.warning(
-                    "celery-idempotent: lease of key #%s (fencing token %s) lost: %s; its result "
-                    "is not committed",
-                    key_digest(key),
-                    lease.fencing_token,
-                    cause,
-                )
-            self._emit("lease_lost", key, 0, started, lease.fencing_token)
-            if wrote:
-                # Two-step path: an earlier write's reply was lost, so it may have landed even
-                # though the lease is gone now. "Not stored" would be a guess.
-                raise CommitUnknownError(
-                    key,
-                    record.result,
-                    "the lease was lost after a write of the record whose outcome is unknown: "
-                    "the result may or may not be stored; look it up before compensating",
-                )
-            raise LockLostError(key, record.result, f"lease lost: {cause}; not committed")
-        self._emit("committed", key, 0, started, lease.fencing_token)
-        return released
-
-    def _commit_once(
-        self,
-        key: str,
-        rkey: str,
-        lease: Lease,
-        record: IdempotencyRecord,
-        wrote: list[bool],
-    ) -> tuple[bool, bool]:
-        """One commit attempt: (stored, lock released by it). ``wrote`` gets an entry when the
-        two-step path sends the record (so that a resend looks before it writes again)."""
-        if self._atomic is not None:
-            ok = self._backend(key, "commit", self._atomic.commit, lease, rkey, record, self.ttl)
-            return ok, ok
-        # Two backends cannot decide atomically: prove the lease (and give it a full lock_ttl
-        # for the write) right before writing, and write only while that proof holds.
-        proved = time.monotonic()
-        if not self._backend(key, "lock extend", self.lock_provider.extend, lease, self.lock_ttl):
-            return False, False
-        if wrote:
-            # A resend: the first write may have landed, its reply lost. Writing again would
-            # replace the record (and its TTL); look first.
-            found = self._backend(key, "store get", self.store.get, rkey)
-            if found is not None and found.fencing_token == lease.fencing_token:
-                return True, False
-        if time.monotonic() - proved >= self.lock_ttl:
-            # The proof's reply (or the look-up) came back after a whole lease: the lease may
-            # have run out since, and the write must not land after it. Prove it again.
-            raise IdempotencyConnectionError(
-                key, f"the lease proof took longer than the lease ({self.lock_ttl}s)"
-            )
-        wrote.append(True)
-        self._backend(key, "store set", self.store.set, rkey, record, self.ttl)
-        return True, False
-
-    def _release(self, key: str, lease: Lease) -> None:
-        try:
-            self.lock_provider.release(lease)
-        except Exception as exc:
-            # Never mask the body's outcome; the lease expires on its own within lock_ttl.
-            log.warning(
-                "could not release the lock of key #%s (%r); it expires by itself",
-                key_digest(key),
-                exc,
-            )
-
-    def _backend(self, key: str, op: str, method: Callable[..., T], *args: Any) -> T:
-        """Call a backend method, turning foreign failures into IdempotencyBackendError."""
-        try:
-            return method(*args)
-        except IdempotencyError as exc:
-            if exc.key == key:
-                raise
-            raise exc.with_key(key) from (exc.__cause__ or exc)
-        except (ConnectionError, TimeoutError) as exc:
-            raise IdempotencyConnectionError(key, f"{op} failed: {exc!r}") from exc
-        except Exception as exc:
-            raise IdempotencyBackendError(key, f"{op} failed: {exc!r}") from exc
 
     def _emit(
         self, kind: str, key: str, attempt: int, started: float, fencing: int | None = None

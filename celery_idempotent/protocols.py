@@ -18,6 +18,7 @@ __all__ = [
     "Lease",
     "LockProvider",
     "PairsAtomically",
+    "check_implements",
     "required_methods",
 ]
 
@@ -131,3 +132,15 @@ def required_methods(protocol: type) -> tuple[str, ...]:
         for name, value in vars(protocol).items()
         if not name.startswith("_") and callable(value)
     )
+
+
+def check_implements(name: str, obj: Any, protocol: type) -> None:
+    """Raise ``TypeError`` unless ``obj`` (the argument ``name``) has every method of
+    ``protocol`` (no base class needed: the methods are what counts)."""
+    methods = required_methods(protocol)
+    missing = [m for m in methods if not callable(getattr(obj, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} must implement {', '.join(methods)}; "
+            f"{type(obj).__name__} lacks {', '.join(missing)}"
+        )

@@ -132,8 +132,11 @@ class IdempotencySettings:
     idempotency_publish_ttl: float = setting(3600, check_duration)
     #: schedule slot in seconds (or a ``timedelta``): the key gets the publish time rounded to
     #: the nearest multiple of it, so that a periodic task runs once per slot however many
-    #: ``celery beat`` instances publish it; ``None``: no slot.
-    idempotency_window: float | None = setting(None, check_window, nullable=True)
+    #: ``celery beat`` instances publish it; ``None``: no slot. A task's own
+    #: ``idempotency_window=None`` switches an app-wide window off for that task.
+    idempotency_window: float | None = setting(
+        None, check_window, nullable=True, none_as_option=True
+    )
     #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
     #: before it counts; 0: do not wait. For Sentinel setups, see "Sentinel and Redis
     #: Cluster" in the docs.

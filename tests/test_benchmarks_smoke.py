@@ -59,6 +59,22 @@ def test_quick_benchmark_reports_the_promised_round_trips(redis_url, tmp_path):
     assert verdicts["round trips, first execution"] is True
     assert verdicts["round trips, duplicate"] is True
 
+    # The publish side: the check is one round trip at the idempotency client; on the broker's
+    # Redis it travels with the push (as many requests as a plain publish: EVALSHA for LPUSH),
+    # on another database it is a request of its own before kombu's LPUSH.
+    publish = result["publish"]
+    assert publish["idempotency_round_trips_per_publish"] == 1
+    assert publish["fused"] == {"checked": True, "two_step": False}
+    requests = publish["redis_requests_per_publish"]
+    assert requests["checked"] == requests["plain"]
+    assert requests["two_step"] == requests["plain"] + 1
+    commands = publish["commands_of_one_publish"]
+    assert "LPUSH" in commands["plain"]
+    assert "EVALSHA" in commands["checked"]
+    assert "LPUSH" not in commands["checked"]
+    assert commands["two_step"].index("EVALSHA") < commands["two_step"].index("LPUSH")
+    assert verdicts["round trips of the publish-side check"] is True
+
     memory = result["memory_store"]
     assert memory["live_records_after"] < memory["keys"] / 2  # expired records were swept
     assert "end_to_end" not in result  # the quick mode starts no worker

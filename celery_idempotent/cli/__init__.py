@@ -95,7 +95,7 @@ _describe_key_argument(
 
 
 def _add_sql_command() -> None:
-    from celery_idempotent._pgcli import sql_command  # noqa: PLC0415 - no psycopg import
+    from celery_idempotent.cli.postgres import sql_command  # noqa: PLC0415 - no psycopg import
 
     idempotency.add_command(sql_command)
 

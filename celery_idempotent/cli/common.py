@@ -101,7 +101,7 @@ class Target:
     task: Any = None
     quiet: bool = False
     #: The PostgreSQL backend when idempotency_url is postgresql:// or django:// (``client``
-    #: is then unused; see :mod:`celery_idempotent._pgcli`).
+    #: is then unused; see :mod:`celery_idempotent.cli.postgres`).
     postgres: Any = None
 
     def namespace(self, task_name: str) -> str:
@@ -156,7 +156,7 @@ def connect(
             )
         cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
     if cfg.in_postgres:
-        from celery_idempotent import _pgcli  # noqa: PLC0415 - psycopg only when used
+        from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415 - psycopg only when used
 
         conf = app.conf
         accept = list(conf.get("result_accept_content") or conf.get("accept_content") or [])
@@ -168,7 +168,7 @@ def connect(
             prefix=cfg.idempotency_key_prefix,
             task=task,
             quiet=quiet,
-            postgres=_pgcli.backend_for(cfg, accept),
+            postgres=pg_cli.backend_for(cfg, accept),
         )
     if cfg.in_memory:
         raise click.UsageError(

@@ -54,9 +54,9 @@ def inspect(
     target = connect(ctx, task_name=selection.task_name, url=url, prefix=prefix)
     nkey = selection.resolve(target)
     if target.postgres is not None:
-        from celery_idempotent import _pgcli  # noqa: PLC0415
+        from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415
 
-        status = _pgcli.inspect(
+        status = pg_cli.inspect(
             target.postgres,
             target.prefix,
             nkey,

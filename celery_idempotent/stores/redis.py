@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 
 from celery_idempotent import _redis, keyspace
 from celery_idempotent._validate import check_count, check_duration
+from celery_idempotent.codec import ResultCodec, serializer_info
 from celery_idempotent.exceptions import (
     IdempotencyBackendError,
     IdempotencyConnectionError,
     RecordDecodeError,
-    ResultEncodeError,
 )
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
@@ -27,19 +27,6 @@ from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 __all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
 
 log = logging.getLogger("celery_idempotent")
-
-
-_KOMBU: Any = None
-
-
-def _kombu() -> Any:
-    """kombu's serialization module (typed loosely: kombu ships no type information)."""
-    global _KOMBU  # noqa: PLW0603 - imported once, on first use (encode/decode are hot paths)
-    if _KOMBU is None:
-        import kombu.serialization  # noqa: PLC0415 - kombu is imported only with a Redis store
-
-        _KOMBU = kombu.serialization
-    return _KOMBU
 
 
 def _text(value: Any) -> str:
@@ -92,46 +79,20 @@ class RedisIdempotencyStore:
         wait_replicas: int = 0,
         wait_timeout: Any = 1.0,
     ) -> None:
-        registry = _kombu().registry
         self.client = _redis.make_client(client, url, "RedisIdempotencyStore")
         self.wait_replicas = check_count("wait_replicas", wait_replicas)
         self.wait_timeout = check_duration("wait_timeout", wait_timeout)
+        self._loaded: set[str] = set()  # SHAs of scripts loaded by eval_and_wait
         if self.wait_replicas and getattr(self.client, "nodes_manager", None) is not None:
             raise ValueError(
                 "RedisIdempotencyStore: wait_replicas is not supported with a RedisCluster "
                 f"client (got wait_replicas={wait_replicas!r}); use 0"
             )
-        if not isinstance(serializer, str) or serializer not in registry._encoders:
-            known = ", ".join(sorted(registry._encoders))
-            raise ValueError(f"serializer must be one of {known}, got {serializer!r}")
-        if accept is None or isinstance(accept, str):
-            raise TypeError(
-                "accept must be a list of serializer names or content types (e.g. ['json']), "
-                f"got {accept!r}"
-            )
-        try:
-            self.accept = frozenset(_kombu().prepare_accept_content(list(accept)))
-        except Exception as exc:
-            raise ValueError(f"accept names an unknown serializer: {accept!r} ({exc})") from exc
+        self.codec = ResultCodec(serializer, accept)
+        self.accept = self.codec.accept
         self.serializer = serializer
-        # kombu's codec for the serializer, and its decoders by content type: encode and decode
-        # call them directly (kombu's dumps/loads add lookups and a generator-based context
-        # manager per call; the accept check they would do is done here, before decoding).
-        self._codec = registry._encoders[serializer]
-        self._decoders = registry._decoders
-        self._encoders = registry._encoders
-        if registry._encoders[serializer].content_type not in self.accept:
-            raise ValueError(
-                f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
-                "refuse to read back; add it to accept"
-            )
         if _redis.decodes_responses(self.client):
-            binary = sorted(
-                name
-                for name, enc in registry._encoders.items()
-                if enc.content_encoding == "binary"
-                and (name == serializer or enc.content_type in self.accept)
-            )
+            binary = self.codec.binary_serializers()
             if binary:
                 raise ValueError(
                     f"RedisIdempotencyStore: the client decodes responses to str "
@@ -140,6 +101,7 @@ class RedisIdempotencyStore:
                 )
         self._commit = self.client.register_script(_redis.COMMIT)
         self._publish = self.client.register_script(_redis.PUBLISH)
+        self._publish_and_push = self.client.register_script(_redis.PUBLISH_AND_PUSH)
         self._drop_queued = self.client.register_script(_redis.DROP_QUEUED)
 
     def __repr__(self) -> str:
@@ -170,7 +132,17 @@ class RedisIdempotencyStore:
         ``EVALSHA`` is sent as it is (a pipeline given the ``Script`` itself would ask
         ``SCRIPT EXISTS`` first, a round trip more); a server that does not know the script
         yet gets it loaded once, then the pair is sent again.
+
+        Each script is loaded once (``SCRIPT LOAD``) before this store first sends it: an
+        ``EVALSHA`` refused with ``NOSCRIPT`` still leaves its ``WAIT`` to block for
+        ``wait_timeout`` when no replica can answer, and that wasted wait could outlast the
+        lease before the script is sent again (a first commit after a replica went away would
+        then find its lease gone). A new master after a failover may still lack a script: the
+        resend below covers that rarer case.
         """
+        if script.sha not in self._loaded:
+            script.sha = self.client.script_load(script.script)
+            self._loaded.add(script.sha)
         for attempt in (0, 1):
             pipe = self.client.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)
@@ -190,13 +162,7 @@ class RedisIdempotencyStore:
     def encode(self, key: str, record: IdempotencyRecord) -> bytes:
         """The stored form of ``record`` (see ``celery_idempotent.keyspace``);
         ResultEncodeError if the serializer refuses the result."""
-        codec = self._codec
-        try:
-            data = codec.encoder(record.result)
-        except Exception as exc:
-            raise ResultEncodeError(key, record.result, f"{self.serializer}: {exc}") from exc
-        if isinstance(data, str):
-            data = data.encode("utf-8")
+        data = self.codec.dumps(key, record.result)
         return keyspace.encode_record(
             name=key,
             fencing_token=record.fencing_token,
@@ -215,8 +181,8 @@ class RedisIdempotencyStore:
             fields = keyspace.decode_record(value, key)
         except ValueError as exc:
             raise RecordDecodeError(key, None, f"corrupt record: {exc}") from exc
-        codec = self._encoders.get(fields.serializer or "")
-        if codec is None:
+        info = serializer_info(fields.serializer)
+        if info is None:
             raise RecordDecodeError(
                 key,
                 None,
@@ -224,7 +190,7 @@ class RedisIdempotencyStore:
                 "does not know here; it was not loaded",
             )
         return self._load(
-            key, fields._replace(content_type=codec.content_type, encoding=codec.content_encoding)
+            key, fields._replace(content_type=info.content_type, encoding=info.content_encoding)
         )
 
     def decode_v1(self, key: str, values: Sequence[Any]) -> IdempotencyRecord:
@@ -240,30 +206,14 @@ class RedisIdempotencyStore:
         return self._load(key, fields)
 
     def _load(self, key: str, fields: keyspace.DecodedRecord) -> IdempotencyRecord:
-        content_type = fields.content_type or ""
-        if content_type not in self.accept:
-            raise RecordDecodeError(
-                key,
-                content_type,
-                f"stored result has content type {content_type!r}, which accept="
-                f"{sorted(self.accept)} does not allow; it was not loaded",
-            )
-        try:
-            decoder = self._decoders.get(content_type)
-            data = fields.data
-            if decoder is not None and data:
-                result = decoder(data)
-            else:  # raw text or data, or an empty payload: kombu's rules for those
-                result = _kombu().loads(data, content_type, fields.encoding, accept=self.accept)
-            return IdempotencyRecord(
-                result=result,
-                fingerprint=fields.fingerprint,
-                created_at=fields.created_at,
-                fencing_token=fields.fencing_token,
-                task_id=fields.task_id,
-            )
-        except Exception as exc:
-            raise RecordDecodeError(key, content_type, f"corrupt record: {exc}") from exc
+        result = self.codec.loads(key, fields.content_type, fields.encoding, fields.data)
+        return IdempotencyRecord(
+            result=result,
+            fingerprint=fields.fingerprint,
+            created_at=fields.created_at,
+            fencing_token=fields.fencing_token,
+            task_id=fields.task_id,
+        )
 
     # -- IdempotencyStore -------------------------------------------------------------------
 
@@ -315,12 +265,20 @@ class RedisIdempotencyStore:
         task_id: str,
         fingerprint: str | None,
         publish_ttl: float,
+        *,
+        push: tuple[str, bytes | str] | None = None,
     ) -> PublishDecision:
         """Decide a publish in one round trip (the ``PUBLISH`` script): set the queued marker
-        for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`)."""
+        for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`).
+
+        ``push``: ``(list name, message)`` of a broker on this Redis: when the decision is
+        "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``)."""
         args: list[Any] = [task_id, fingerprint or "", _redis.ms(publish_ttl)]
         with _redis.translate_errors(record, "publish check"):
-            reply = self._publish(keys=[record, lock], args=args)
+            if push is None:
+                reply = self._publish(keys=[record, lock], args=args)
+            else:
+                reply = self._publish_and_push(keys=[record, lock, push[0]], args=[*args, push[1]])
         status = int(reply[0])
         if status == 1:
             return PublishDecision("publish")

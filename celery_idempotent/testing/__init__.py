@@ -33,11 +33,11 @@ from typing import Any
 
 import pytest
 
-from celery_idempotent.testing.redis_server import (
+from celery_idempotent.servers.redis_server import (
     PrivateRedis,
     start_private_redis,
 )
-from celery_idempotent.testing.redis_server import (
+from celery_idempotent.servers.redis_server import (
     find_redis_server as find_redis_server,
 )
 from celery_idempotent.testing.tester import IdempotencyTester, TwoDeliveries

@@ -381,7 +381,7 @@ class IdempotencyTester:
     def _guard(self, task: Any) -> Any:
         task = current(task)
         # The guard the task itself uses, so that what is shown is what a delivery sees.
-        return task._guard(task.idempotency_settings())
+        return task.idempotency_guard()
 
 
 def _round_trip(app: Any, value: Any, serializer: str, what: str) -> Any:

@@ -18,11 +18,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from servers import delete_keys_with_prefix
-from workers import WorkerGroup, start_workers
 
 from celery_idempotent import settings
 from celery_idempotent.task import reset_backends
+from tests.support.keys import delete_keys_with_prefix
+from tests.support.workers import WorkerGroup, start_workers
 
 APPS_DIR = Path(__file__).resolve().parent / "apps"
 if str(APPS_DIR) not in sys.path:

@@ -18,14 +18,15 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 from celery import chain, chord, group
 from celery.result import AsyncResult, EagerResult
-from servers import delete_keys_with_prefix
-from workers import WorkerGroup, start_workers
 
 from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError, keyspace
 from celery_idempotent import settings as idem_settings
 from celery_idempotent.task import reset_backends
+from tests.support.keys import delete_keys_with_prefix
+from tests.support.workers import WorkerGroup, start_workers
 
 pytestmark = pytest.mark.redis
 
@@ -418,6 +419,104 @@ def test_a_failed_publish_removes_its_marker_and_a_resend_goes_through(
     assert pub.client().llen(broker_list) == 2
     assert pub.charge.apply_async((t, 4), queue=queue).id == first.id  # another id: stopped
     assert pub.client().llen(broker_list) == 2
+    pub.client().delete(broker_list, record)
+
+
+def _redis_commands(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The commands this process sends through redis-py clients from now on (kombu's broker
+    client, the store's; not pub/sub: the result backend's SUBSCRIBE is alike for all)."""
+    import redis
+
+    sent: list[str] = []
+    original = redis.Redis.execute_command
+
+    def spy(self: Any, *args: Any, **options: Any) -> Any:
+        sent.append(str(args[0]).upper())
+        return original(self, *args, **options)
+
+    monkeypatch.setattr(redis.Redis, "execute_command", spy)
+    return sent
+
+
+def test_on_the_brokers_redis_the_check_and_the_push_are_one_script(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store on the broker's Redis: one EVALSHA checks, sets the marker and pushes the
+    message (no LPUSH of kombu's); a duplicate is one EVALSHA that pushes nothing. The store
+    on another database: the check, then kombu's own LPUSH; duplicates stopped alike."""
+    t = tag()
+    queue = f"{pub.QUEUE}-fused"  # no worker consumes it
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    charge = pub.app.tasks["pub.charge"]
+    record = keyspace.record_name(f"{pub.PREFIX}idem:", charge.idempotency_key_for((t, 6), {}))
+    pub.charge.apply_async((tag(), 6), queue=queue)  # the queue declared, the script loaded
+    pub.client().delete(broker_list)
+
+    sent = _redis_commands(monkeypatch)
+    first = pub.charge.apply_async((t, 6), queue=queue)
+    assert sent == ["EVALSHA"]  # one round trip: the check and the push
+    assert pub.client().llen(broker_list) == 1
+    assert keyspace.parse_queued(pub.client().get(record)) == (
+        first.id,
+        charge.idempotency_fingerprint_for((t, 6), {}),
+    )
+    sent.clear()
+    again = pub.charge.apply_async((t, 6), queue=queue, task_id=f"dup-{t}")
+    assert sent == ["EVALSHA"]
+    assert again.id == first.id
+    assert pub.client().llen(broker_list) == 1  # nothing pushed
+    # The stopped message's result subscription (Celery's Redis backend) was given back.
+    consumer = pub.app.backend.result_consumer
+    assert not any(f"dup-{t}" in str(name) for name in consumer.subscribed_to)
+    pub.ship.apply_async(("o-" + t, "Main St"), queue=queue)
+    with pytest.raises(IdempotencyMismatchError):  # raised here, at the caller
+        pub.ship.apply_async(("o-" + t, "Elm St"), queue=queue)
+    pub.client().delete(broker_list, record)
+
+    # The store on another database of the server: not one script; the same decisions.
+    other_url = pub.URL.rsplit("/", 1)[0] + "/1"
+    charge_class = type(charge)
+    charge_class.idempotency_url = other_url
+    idem_settings.clear_cache()
+    reset_backends()
+    other = redis.Redis.from_url(other_url)
+    try:
+        sent.clear()
+        first = pub.charge.apply_async((t, 7), queue=queue)
+        assert sent[-2:] == ["EVALSHA", "LPUSH"]  # the check, then kombu's push
+        sent.clear()
+        assert pub.charge.apply_async((t, 7), queue=queue).id == first.id
+        assert sent[-1:] == ["EVALSHA"]
+        assert pub.client().llen(broker_list) == 1
+    finally:
+        charge_class.idempotency_url = None
+        idem_settings.clear_cache()
+        reset_backends()
+        delete_keys_with_prefix(other, pub.PREFIX)
+        other.close()
+        pub.client().delete(broker_list)
+
+
+def test_a_push_that_fails_in_the_script_removes_its_marker(pub: ModuleType) -> None:
+    """The marker is set and the push fails in the same script (the queue's name holds a
+    string): the caller gets the error and no marker is left behind."""
+    from celery_idempotent import IdempotencyBackendError
+
+    t = tag()
+    queue = f"{pub.QUEUE}-broken"
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 8), {}))
+    pub.charge.apply_async((tag(), 8), queue=queue)  # the queue declared
+    pub.client().set(broker_list, "not a list")
+    try:
+        with pytest.raises(IdempotencyBackendError, match="WRONGTYPE"):
+            pub.charge.apply_async((t, 8), queue=queue)
+        assert not pub.client().exists(record)
+    finally:
+        pub.client().delete(broker_list)
+    first = pub.charge.apply_async((t, 8), queue=queue)  # published now, under a new marker
+    assert keyspace.parse_queued(pub.client().get(record))[0] == first.id  # type: ignore[index]
+    assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list, record)
 
 

@@ -17,11 +17,11 @@ import pytest
 import redis
 from celery import Celery
 from cidem_helpers import key_of, redis_names
-from workers import WorkerGroup
 
 from celery_idempotent import IdempotentTask
 from celery_idempotent.settings import resolve
 from celery_idempotent.task import reset_backends
+from tests.support.workers import WorkerGroup
 
 TIMEOUT = 60
 
@@ -118,7 +118,7 @@ def test_a_ready_client_object_is_used_as_it_is(
         results = [task.apply((7,), {"amount": 5}).get() for _ in range(3)]
         assert runs == [7]
         assert results == [{"order_id": 7, "run": 1}] * 3
-        assert task._guard(resolve(app, task)).store.client is client
+        assert task.idempotency_guard().store.client is client
     finally:
         client.close()
 

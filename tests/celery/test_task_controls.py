@@ -421,7 +421,7 @@ def test_a_stored_failure_naming_a_non_exception_is_refused(
         raise CardDeclinedError(order_id, "x")
 
     body.apply((1,))
-    guard = body._guard(body.idempotency_settings())
+    guard = body.idempotency_guard()
     rkey = guard.record_key(key_of(body, 1))
     stored = guard.store.get(rkey)
     assert stored is not None
@@ -603,7 +603,7 @@ def test_on_locked_reject_rejects_without_requeue(make_app: Callable[..., Celery
     def body(x: int) -> int:
         return x
 
-    guard = body._guard(body.idempotency_settings())
+    guard = body.idempotency_guard()
     lease = guard.lock_provider.acquire(guard.lock_resource(key_of(body, 1)), 10)
     assert lease is not None
     try:

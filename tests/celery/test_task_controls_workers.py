@@ -18,7 +18,8 @@ import pytest
 from celery import Celery
 from celery.exceptions import Reject
 from cidem_helpers import count, wait_for
-from workers import CeleryWorker, WorkerGroup
+
+from tests.support.workers import CeleryWorker, WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 

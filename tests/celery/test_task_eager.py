@@ -14,7 +14,6 @@ import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import Ignore, Reject
 from cidem_helpers import key_of, redis_names
-from servers import escape_glob
 
 from celery_idempotent import (
     IdempotencyMismatchError,
@@ -23,6 +22,7 @@ from celery_idempotent import (
     current_lease,
 )
 from celery_idempotent.keys import key_digest as _hash
+from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.redis
 
@@ -277,7 +277,7 @@ def test_failures_and_control_flow_store_nothing(
 
 def _hold(task: Any, *args: Any, ttl: float = 10) -> Any:
     """Take the key's lock as another delivery would; returns the lease."""
-    guard = task._guard(task.idempotency_settings())
+    guard = task.idempotency_guard()
     resource, _ = redis_names(task, key_of(task, *args))
     lease = guard.lock_provider.acquire(resource, ttl)
     assert lease is not None

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from cidem_helpers import wait_for
-from servers import RedisServer
-from workers import WorkerGroup
 
 from celery_idempotent._health import eviction_policy, eviction_warning
+from tests.support.redis_server import RedisServer
+from tests.support.workers import WorkerGroup
 
 EVICTION_LINE = "has maxmemory-policy allkeys-lru"
 

@@ -16,7 +16,8 @@ from types import ModuleType
 
 import pytest
 from cidem_helpers import count, key_of, signal_count, wait_for
-from workers import WorkerGroup
+
+from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow]
 

@@ -7,7 +7,8 @@ from types import ModuleType
 
 import pytest
 from cidem_helpers import count, key_of, signal_count
-from workers import WorkerGroup
+
+from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 

@@ -9,7 +9,8 @@ from types import ModuleType
 import pytest
 from celery import Celery
 from cidem_helpers import count, settled, wait_for
-from workers import WorkerGroup
+
+from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.rabbitmq]
 

@@ -13,10 +13,10 @@ import pytest
 from celery import Celery
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 from cidem_helpers import key_of, redis_names
-from servers import escape_glob
 
 from celery_idempotent import IdempotentTask, LockAcquisitionError, current_lease
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
+from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 
@@ -166,7 +166,6 @@ def test_task_option_overrides_the_app(make_app: Callable[..., Celery], name: st
         "idempotency_url": "redis://127.0.0.1:6379/3",
         "idempotency_client": _other_client_factory,
         "idempotency_namespace": "other.namespace",  # None as an option: "not set"
-        "idempotency_window": 60,  # None as an option: "not set" (the app's window applies)
     }.get(name, DEFAULTS[name])
     task = plain_task(app, **{name: value})
     untouched = plain_task(app)
@@ -354,7 +353,7 @@ def test_retry_count_and_base_delay_shape_the_attempts(
 ) -> None:
     app = redis_app(idempotency_on_locked="raise")
     task = plain_task(app, idempotency_retry_count=2, idempotency_retry_base_delay=0.1)
-    guard = task._guard(task.idempotency_settings())
+    guard = task.idempotency_guard()
     resource, _ = redis_names(task, key_of(task, 1))
     assert guard.lock_provider.acquire(resource, 10) is not None
 

@@ -11,11 +11,11 @@ from types import ModuleType
 import pytest
 from celery import Celery
 from cidem_helpers import wait_for
-from workers import WorkerGroup
 
 from celery_idempotent import IdempotentTask
 from celery_idempotent.settings import clear_cache
 from celery_idempotent.task import check_app_at_worker_start
+from tests.support.workers import WorkerGroup
 
 
 def test_the_check_reports_each_misconfigured_task_and_sums_up_the_rest(

@@ -25,7 +25,6 @@ from cidem_helpers import (
     signal_data,
     wait_for,
 )
-from workers import WorkerGroup
 
 from celery_idempotent import (
     IdempotencyError,
@@ -37,6 +36,7 @@ from celery_idempotent import (
     RedisIdempotencyStore,
 )
 from celery_idempotent.keyspace import decode_record
+from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 

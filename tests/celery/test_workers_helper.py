@@ -1,4 +1,4 @@
-"""tests/workers.py itself: readiness, pool children, ping, and no process left behind."""
+"""tests/support/workers.py itself: readiness, pool children, ping, and no process left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from types import ModuleType
 
 import pytest
 from cidem_helpers import wait_for
-from workers import WorkerGroup, pid_alive
+
+from celery_idempotent.servers.processes import pid_alive
+from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 

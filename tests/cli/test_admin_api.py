@@ -292,7 +292,7 @@ def test_a_fixed_namespace_and_a_missing_key(admin_app: Celery) -> None:
     # every key of the task: the command scans its namespace, not its name
     counted = cli(admin_app, "stats", "--task", charge_v2.name, "--json")
     assert json.loads(counted.stdout)["tasks"] == {
-        "billing.charge": {"completed": 2, "in_progress": 0}
+        "billing.charge": {"completed": 2, "in_progress": 0, "queued": 0}
     }
     gone = cli(admin_app, "forget", "--task", charge_v2.name, "--yes")
     assert "deleted 2 record(s)" in gone.stdout, (gone.stdout, gone.stderr)

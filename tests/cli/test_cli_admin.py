@@ -409,13 +409,13 @@ def test_shortened_keys(
 
     stats = as_json(ok(run_cli("stats", "--json")))["tasks"]
     assert stats == {
-        "cliadmin.charge": {"completed": 2, "in_progress": 0},
-        long_task: {"completed": 1, "in_progress": 0},
-        "(shortened)": {"completed": 2, "in_progress": 0},
-        "(no task)": {"completed": 1, "in_progress": 0},
+        "cliadmin.charge": {"completed": 2, "in_progress": 0, "queued": 0},
+        long_task: {"completed": 1, "in_progress": 0, "queued": 0},
+        "(shortened)": {"completed": 2, "in_progress": 0, "queued": 0},
+        "(no task)": {"completed": 1, "in_progress": 0, "queued": 0},
     }
     only = as_json(ok(run_cli("stats", "--task", mid_task, "--json")))["tasks"]
-    assert only == {mid_task: {"completed": 1, "in_progress": 0}}
+    assert only == {mid_task: {"completed": 1, "in_progress": 0, "queued": 0}}
 
     assert "deleted 1 record(s)" in ok(run_cli("forget", "--task", mid_task, "-y")).stdout
     done = ok(run_cli("forget", "--task", long_task, "--yes"))
@@ -441,27 +441,36 @@ def test_stats_by_state_and_task(
     cli_app.tasks["cliadmin.ship"].apply((5, "Main St")).get()
     holder = hold()
     redis_client.set(f"{key_prefix}not-ours", "1")
+    # Two calls published by apply_async and not committed: their record names hold the
+    # publish side's queued markers, which are not completed records.
+    store = RedisIdempotencyStore(redis_client)
+    for order in (7, 8):
+        key = cli_app.tasks["cliadmin.charge"].idempotency_key_for((order, 1), {})
+        decided = store.check_publish(
+            record_key(key_prefix, key), lock_resource(key_prefix, key), f"t-{order}", None, 60
+        )
+        assert decided.action == "publish"
 
     doc = as_json(ok(run_cli("stats", "--json")))
     assert doc["tasks"] == {
-        "cliadmin.charge": {"completed": 3, "in_progress": 0},
-        "cliadmin.hold": {"completed": 0, "in_progress": 1},
-        "cliadmin.ship": {"completed": 1, "in_progress": 0},
+        "cliadmin.charge": {"completed": 3, "in_progress": 0, "queued": 2},
+        "cliadmin.hold": {"completed": 0, "in_progress": 1, "queued": 0},
+        "cliadmin.ship": {"completed": 1, "in_progress": 0, "queued": 0},
     }
-    assert doc["total"] == {"completed": 4, "in_progress": 1}
+    assert doc["total"] == {"completed": 4, "in_progress": 1, "queued": 2}
     assert doc["other"] == 1
     assert doc["maxmemory_policy"] == "noeviction"
 
-    lines = ok(run_cli("stats")).stdout.splitlines()
+    lines = ok(run_cli("stats", "--batch-size", "2")).stdout.splitlines()
     assert lines[0].endswith(", maxmemory-policy noeviction")
-    assert lines[1].split() == ["TASK", "COMPLETED", "IN", "PROGRESS"]
-    assert lines[2].split() == ["cliadmin.charge", "3", "0"]
-    assert lines[-2].split() == ["TOTAL", "4", "1"]
+    assert lines[1].split() == ["TASK", "COMPLETED", "IN", "PROGRESS", "QUEUED"]
+    assert lines[2].split() == ["cliadmin.charge", "3", "0", "2"]
+    assert lines[-2].split() == ["TOTAL", "4", "1", "2"]
     assert len({len(line) for line in lines[1:-1]}) == 1  # aligned columns
 
     holder.release()
     only = as_json(ok(run_cli("stats", "--task", "cliadmin.hold", "--json")))
-    assert only["tasks"] == {"cliadmin.hold": {"completed": 1, "in_progress": 0}}
+    assert only["tasks"] == {"cliadmin.hold": {"completed": 1, "in_progress": 0, "queued": 0}}
 
 
 # --------------------------------------------------------------------------- settings, usage
@@ -549,7 +558,7 @@ def test_celery_subprocess_inspect_forget_stats(
     assert doc["state"] == "absent"
 
     stats = json.loads(celery_cli("stats", "--json").stdout)
-    assert stats["total"] == {"completed": 1, "in_progress": 1}
+    assert stats["total"] == {"completed": 1, "in_progress": 1, "queued": 0}
 
     refused = celery_cli("forget", *held, "--yes")
     assert refused.returncode == 1
@@ -620,7 +629,9 @@ def test_the_client_setting_reaches_a_redis_cluster_for_inspect_stats_and_forget
         assert "cluster of 3 primaries" in ok(run_cli("stats", app=app)).stdout
 
         stats = as_json(ok(run_cli("stats", "--json", app=app)))
-        assert stats["tasks"] == {"cliadmin.charge": {"completed": 41, "in_progress": 0}}
+        assert stats["tasks"] == {
+            "cliadmin.charge": {"completed": 41, "in_progress": 0, "queued": 0}
+        }
 
         gone = ok(run_cli("forget", "--task", "cliadmin.charge", "--yes", app=app))
         assert "deleted 41 record(s)" in gone.stdout
@@ -655,7 +666,7 @@ def test_a_sentinel_broker_is_followed_to_its_master(
     stats = ok(run_cli("stats", app=app))
     assert f"sentinel master '{redis_sentinel.master_name}' (db 2)" in stats.stdout
     doc = as_json(ok(run_cli("stats", "--json", app=app)))
-    assert doc["tasks"] == {"cliadmin.charge": {"completed": 3, "in_progress": 0}}
+    assert doc["tasks"] == {"cliadmin.charge": {"completed": 3, "in_progress": 0, "queued": 0}}
     import redis as redis_module
 
     host, port = redis_sentinel.master_address()

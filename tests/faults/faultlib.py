@@ -21,8 +21,9 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 from fault_app import env_for, make_app
-from servers import RedisServer
-from workers import CeleryWorker
+
+from tests.support.redis_server import RedisServer
+from tests.support.workers import CeleryWorker
 
 HERE = Path(__file__).parent
 

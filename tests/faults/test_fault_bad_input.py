@@ -20,7 +20,6 @@ import redis
 from celery import Celery
 from fault_app import finalize_quietly
 from faultlib import record_figures
-from servers import RedisServer
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -32,6 +31,7 @@ from celery_idempotent import (
     ResultEncodeError,
 )
 from celery_idempotent.keys import slot_key
+from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]
 FIGURES: dict[str, int] = {"bad_inputs": 0}

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import redis
 from faultlib import record_figures
-from servers import TcpProxy
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -29,6 +28,7 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
+from tests.support.proxy import TcpProxy
 
 ProxyFactory = Callable[..., TcpProxy]
 LOCK_TTL = 1.0

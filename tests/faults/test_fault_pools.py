@@ -39,9 +39,9 @@ from faultlib import (
     record_figures,
     wait_ready,
 )
-from servers import RedisServer
 
 from celery_idempotent.keyspace import decode_record, record_name
+from tests.support.redis_server import RedisServer
 
 LOCK_TTL = 1.0
 CAMPAIGN = int(os.environ.get("CELERY_IDEMPOTENT_POOL_CHAOS") or 0)

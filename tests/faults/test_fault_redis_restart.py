@@ -28,7 +28,6 @@ from faultlib import (
     text,
     wait_ready,
 )
-from servers import RedisServer
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -38,6 +37,7 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]
 LOCK_TTL = 2.0

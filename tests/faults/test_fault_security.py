@@ -23,7 +23,6 @@ import redis
 from celery import Celery
 from fault_app import finalize_quietly
 from faultlib import record_figures
-from servers import RedisServer
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -36,6 +35,7 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]
 PICKLE = "application/x-python-serialize"

@@ -33,10 +33,10 @@ from faultlib import (
     record_figures,
     wait_ready,
 )
-from servers import RedisServer
-from workers import CeleryWorker
 
 from celery_idempotent.keyspace import decode_record, record_name
+from tests.support.redis_server import RedisServer
+from tests.support.workers import CeleryWorker
 
 KEYS = 240
 LOCK_TTL = 2.0

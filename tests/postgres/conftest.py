@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "redis"))  # the shared contract suite
 
-from celery_idempotent._pgserver import PostgresServer
+from celery_idempotent.servers.postgres_server import PostgresServer
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -23,9 +23,7 @@ import pytest
 import redis
 from celery import Celery
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: workers, servers
-
-from workers import CeleryWorker
+from tests.support.workers import CeleryWorker
 
 PROJECT = Path(__file__).resolve().parent / "django_project"
 ROWS = 3

@@ -36,9 +36,7 @@ import psycopg
 import pytest
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: workers, servers
-
-from workers import CeleryWorker
+from tests.support.workers import CeleryWorker
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 60

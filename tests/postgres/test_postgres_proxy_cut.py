@@ -22,10 +22,8 @@ import psycopg
 import pytest
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: workers, servers
-
-from servers import TcpProxy
-from workers import CeleryWorker
+from tests.support.proxy import TcpProxy
+from tests.support.workers import CeleryWorker
 
 HERE = Path(__file__).resolve().parent
 ROWS = 3

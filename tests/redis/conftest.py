@@ -22,14 +22,13 @@ from typing import TYPE_CHECKING
 import pytest
 from redis_support import (
     Backend,
-    RoundTrips,
     SkewClock,
-    counting_client,
     redis_classes,
     split_store,
 )
 
 from celery_idempotent import MemoryIdempotencyStore, MemoryLockProvider
+from tests.support.counting import RoundTrips, counting_client
 
 if TYPE_CHECKING:
     import redis

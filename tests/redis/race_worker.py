@@ -26,6 +26,7 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
+from celery_idempotent.stores.redis import RedisAtomicBackend
 
 
 class SplitStore(RedisIdempotencyStore):
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> int:
         retry_base_delay=0.002,
         retry_max_delay=0.02,
     )
-    assert (guard._atomic is not None) is (path == "atomic")
+    assert isinstance(guard.backend, RedisAtomicBackend) is (path == "atomic")
     # Load the scripts now, so that the race is not staggered by first-use SCRIPT LOADs.
     guard.execute(f"warm-up-{worker_id}", lambda: None)
 

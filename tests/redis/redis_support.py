@@ -1,4 +1,5 @@
-"""Helpers of the Redis backend suite: the backends under contract and a round-trip counter.
+"""Helpers of the Redis backend suite: the backends under contract (round trips are counted by
+:mod:`tests.support.counting`).
 
 Imported by ``conftest.py`` and the test modules of this directory as ``redis_support``
 (pytest's ``prepend`` import mode puts ``tests/redis`` on ``sys.path``). Named so that it
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_idempotent import DistributedIdempotencyGuard, IdempotencyStore, LockProvider
+from celery_idempotent.two_step import TwoStepBackend
 
 if TYPE_CHECKING:
-    import redis
+    pass
 
 T = TypeVar("T")
 
@@ -66,7 +68,8 @@ class Backend:
         options.setdefault("key_prefix", self.prefix)
         options.setdefault("retry_base_delay", 0.001)
         guard = DistributedIdempotencyGuard(**options)
-        assert (guard._atomic is not None) is self.atomic, f"{self.name}: wrong guard path"
+        one_script = not isinstance(guard.backend, TwoStepBackend)
+        assert one_script is self.atomic, f"{self.name}: wrong guard path"
         return guard
 
 
@@ -86,76 +89,3 @@ def split_store(client: Any, **options: Any) -> Any:
             return None
 
     return SplitRedisIdempotencyStore(client, **options)
-
-
-# --------------------------------------------------------------------------- round trips
-
-#: Commands of connection set-up: not round trips of the library's operations.
-HANDSHAKE = frozenset({"HELLO", "AUTH", "SELECT", "CLIENT", "READONLY"})
-
-
-def command_names(packed: Any) -> list[str]:
-    """The command names in one packed RESP send (several for a pipeline)."""
-    if isinstance(packed, (bytes, bytearray, memoryview, str)):
-        packed = [packed]
-    data = b"".join(chunk.encode() if isinstance(chunk, str) else bytes(chunk) for chunk in packed)
-    names: list[str] = []
-    pos = 0
-    while pos < len(data):
-        assert data[pos : pos + 1] == b"*", f"not a RESP array at {pos}: {data[pos : pos + 20]!r}"
-        end = data.index(b"\r\n", pos)
-        count = int(data[pos + 1 : end])
-        pos = end + 2
-        for index in range(count):
-            end = data.index(b"\r\n", pos)
-            length = int(data[pos + 1 : end])
-            arg = data[end + 2 : end + 2 + length]
-            pos = end + 2 + length + 2
-            if index == 0:
-                names.append(arg.decode().upper())
-    return names
-
-
-class RoundTrips:
-    """Every write to the server that carries a command, as the client sends it.
-
-    One send is one round trip: a pipeline packs all its commands into a single send. Sends made
-    only of connection set-up commands (:data:`HANDSHAKE`) are not recorded.
-    """
-
-    def __init__(self) -> None:
-        self.sends: list[list[str]] = []
-        self._lock = threading.Lock()
-
-    def record(self, names: list[str]) -> None:
-        if names and not set(names) <= HANDSHAKE:
-            with self._lock:
-                self.sends.append(names)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.sends.clear()
-
-    @property
-    def count(self) -> int:
-        return len(self.sends)
-
-    def measure(self, fn: Callable[[], Any]) -> tuple[int, list[list[str]]]:
-        """Round trips made by ``fn()`` (and the commands of each)."""
-        self.reset()
-        fn()
-        sends = list(self.sends)
-        return len(sends), sends
-
-
-def counting_client(url: str, trips: RoundTrips, **kwargs: Any) -> redis.Redis:
-    """A ``redis.Redis`` for ``url`` whose connections report every send to ``trips``."""
-    import redis
-
-    class CountingConnection(redis.Connection):
-        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-            trips.record(command_names(command))
-            super().send_packed_command(command, check_health)
-
-    pool = redis.ConnectionPool.from_url(url, connection_class=CountingConnection, **kwargs)
-    return redis.Redis(connection_pool=pool)

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import redis
 from redis.crc import key_slot
-from redis_support import RoundTrips, recording, split_store
-from servers import RedisServer, TcpProxy, free_port
+from redis_support import recording, split_store
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -38,6 +37,9 @@ from celery_idempotent import (
     keyspace,
 )
 from celery_idempotent.stores.redis import RedisAtomicBackend
+from tests.support.counting import RoundTrips
+from tests.support.proxy import TcpProxy
+from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 

@@ -26,6 +26,8 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
+from celery_idempotent.stores.redis import RedisAtomicBackend
+from celery_idempotent.two_step import TwoStepBackend
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 
@@ -201,7 +203,7 @@ def test_two_cluster_clients_of_one_cluster_keep_the_one_script_path(
         guard = DistributedIdempotencyGuard(
             store=store, lock_provider=provider, key_prefix=key_prefix
         )
-        assert guard._atomic is not None
+        assert isinstance(guard.backend, RedisAtomicBackend)
         for index in range(3):  # load the scripts on every master first
             guard.execute(f"warm-{index}", lambda: 0)
         sent.clear()
@@ -229,7 +231,7 @@ def test_cluster_clients_of_two_clusters_are_told_apart(
         assert "RedisCluster" in reason
         with caplog.at_level(logging.WARNING, logger="celery_idempotent"):
             guard = DistributedIdempotencyGuard(store=store, lock_provider=RedisLockProvider(plain))
-        assert guard._atomic is None
+        assert isinstance(guard.backend, TwoStepBackend)
         assert reason in caplog.text
     finally:
         plain.close()

@@ -33,6 +33,8 @@ from celery_idempotent import (
     fingerprint_payload,
     keyspace,
 )
+from celery_idempotent.stores.redis import RedisAtomicBackend
+from celery_idempotent.two_step import TwoStepBackend
 
 pytestmark = pytest.mark.redis
 
@@ -358,7 +360,7 @@ def test_the_slow_path_is_announced_at_construction(
                 lock_provider=RedisLockProvider(other),
                 key_prefix=key_prefix,
             )
-        assert split._atomic is None
+        assert isinstance(split.backend, TwoStepBackend)
         assert "instead of one script" in caplog.text
         assert "db 0 and 1" in caplog.text
         caplog.clear()
@@ -366,7 +368,7 @@ def test_the_slow_path_is_announced_at_construction(
             memory = DistributedIdempotencyGuard(
                 store=RedisIdempotencyStore(redis_client), lock_provider=MemoryLockProvider()
             )
-        assert memory._atomic is None
+        assert isinstance(memory.backend, TwoStepBackend)
         assert "MemoryLockProvider" in caplog.text
         caplog.clear()
         two_clients = redis.Redis.from_url(redis_url)
@@ -375,7 +377,7 @@ def test_the_slow_path_is_announced_at_construction(
                 store=RedisIdempotencyStore(redis_client),
                 lock_provider=RedisLockProvider(two_clients),
             )
-        assert same._atomic is not None
+        assert isinstance(same.backend, RedisAtomicBackend)
         assert caplog.text == ""
         two_clients.close()
     finally:

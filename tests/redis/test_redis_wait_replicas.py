@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 from celery import Celery
 from redis_support import recording
-from servers import RedisServer
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -28,6 +27,7 @@ from celery_idempotent import (
 )
 from celery_idempotent.settings import clear_cache
 from celery_idempotent.task import reset_backends
+from tests.support.redis_server import RedisServer
 
 PREFIX = "test:wait:"
 
@@ -171,7 +171,7 @@ def test_the_task_settings_reach_the_store_and_refuse_memory(server: RedisServer
         assert isinstance(result.result, IdempotencyConnectionError)
         assert "reached 0 of the 1 replica" in str(result.result)
         assert calls == []
-        store = charge._guard(charge.idempotency_settings()).store
+        store = charge.idempotency_guard().store
         assert (store.wait_replicas, store.wait_timeout) == (1, 0.05)
 
         failed = local.apply((2,))

@@ -160,9 +160,9 @@ def test_event_sleep_returns_whether_it_was_aborted():
 
 
 def test_the_commit_resend_back_off_doubles_from_50ms_to_1s_without_jitter() -> None:
-    from celery_idempotent.guard import _RESEND
+    from celery_idempotent.commit import COMMIT_RESEND
 
-    assert [_RESEND.delay(i) for i in range(8)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert [COMMIT_RESEND.delay(i) for i in range(8)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
 
 
 def test_equal_jitter_caps_then_scales_by_half_to_one() -> None:

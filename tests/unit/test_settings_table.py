@@ -30,7 +30,8 @@ def test_every_setting_is_a_task_option_unset_on_the_base_class() -> None:
 
     for name in DEFAULTS:
         assert name in vars(IdempotentTask), name
-        expected = NOT_SET if name == "idempotency_fingerprint" else None
+        # A task's own None is a choice for these (no check, no slot): unset is NOT_SET.
+        expected = NOT_SET if name in ("idempotency_fingerprint", "idempotency_window") else None
         assert vars(IdempotentTask)[name] is expected, name
     assert task_option_defaults() == {name: vars(IdempotentTask)[name] for name in DEFAULTS}
 

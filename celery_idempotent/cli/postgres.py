@@ -27,6 +27,8 @@ import click
 
 from celery_idempotent import keyspace
 from celery_idempotent.postgres import DEFAULT_TABLE, PostgresBackend, backend_from_url, ddl
+from celery_idempotent.postgres.connections import split_url
+from celery_idempotent.postgres.sql import quote_table
 
 __all__ = ["backend_for", "forget_one", "forget_task", "inspect", "sql_command", "stats"]
 
@@ -45,9 +47,7 @@ def sql_command(table: str | None, url: str | None) -> None:
     """
     name = table
     if name is None and url:
-        from celery_idempotent.postgres import _split_url  # noqa: PLC0415
-
-        name = _split_url(url)[1].get("table")
+        name = split_url(url)[1].get("table")
     try:
         click.echo(ddl(name or DEFAULT_TABLE), nl=False)
     except ValueError as exc:
@@ -66,18 +66,14 @@ def backend_for(cfg: Any, accept: list[str]) -> PostgresBackend:
 
 def _row_state(backend: PostgresBackend, row: str) -> tuple[list[Any] | None, bool]:
     """(the row's fields or None, whether a transaction holds it now)."""
-    t = _table(backend)
+    t = quote_table(backend.table)
     fields = (
         "state, fencing_token, fingerprint, content_type, content_encoding, octet_length(result), "
         "created_at, extract(epoch FROM expires_at - statement_timestamp()), result"
     )
-    rows = backend._autocommit([(f"SELECT {fields} FROM {t} WHERE key = %s", (row,))])[0]
+    rows = backend.autocommit([(f"SELECT {fields} FROM {t} WHERE key = %s", (row,))])[0]
     held = backend.is_locked(row.replace("{", "lock:{", 1))
     return (list(rows[0]) if rows else None), held
-
-
-def _table(backend: PostgresBackend) -> str:
-    return ".".join(f'"{part}"' for part in backend.table.split("."))
 
 
 def inspect(
@@ -101,10 +97,8 @@ def inspect(
     error: str | None = None
     if show_result and record is not None:
         try:
-            decoded = backend._codec.decode(
-                nkey, [None, *record[2:5], record[8], record[6], record[1]]
-            )
-            result = decoded.result
+            data = bytes(record[8]) if record[8] is not None else b""
+            result = backend.codec.loads(nkey, record[3], record[4], data)
         except Exception as exc:
             error = str(exc)
     doc: dict[str, Any] = {
@@ -178,9 +172,9 @@ def forget_one(
     doc["state"] = "in_progress" if held else "absent" if found is None else str(found[0])
     if held or found is None or dry_run:
         return doc
-    t = _table(backend)
+    t = quote_table(backend.table)
     try:
-        deleted = backend._autocommit(
+        deleted = backend.autocommit(
             [_lock_timeout(backend), (f"DELETE FROM {t} WHERE key = %s", (row,))]
         )[1]
     except Exception as exc:
@@ -204,10 +198,10 @@ def forget_task(
     backend: PostgresBackend, prefix: str, namespace: str, *, dry_run: bool
 ) -> dict[str, Any]:
     """Delete every record of one task's namespace; rows held by running bodies are kept."""
-    t = _table(backend)
+    t = quote_table(backend.table)
     like = _like(prefix, namespace)
     if dry_run:
-        rows = backend._autocommit(
+        rows = backend.autocommit(
             [
                 (f"SELECT count(*) FROM {t} WHERE key LIKE %s", (like,)),
                 (
@@ -219,7 +213,7 @@ def forget_task(
         )
         total, free = int(rows[0][0][0]), int(rows[1][0][0])
         return {"records": free, "held": total - free, "deleted": 0, "dry_run": True}
-    rows = backend._autocommit(
+    rows = backend.autocommit(
         [
             (f"SELECT count(*) FROM {t} WHERE key LIKE %s", (like,)),
             (
@@ -235,9 +229,9 @@ def forget_task(
 
 def stats(backend: PostgresBackend, prefix: str, namespace: str | None) -> dict[str, Any]:
     """Completed records and held rows per task (one pass over the prefix's rows)."""
-    t = _table(backend)
+    t = quote_table(backend.table)
     like = _like(prefix, namespace)
-    rows = backend._autocommit(
+    rows = backend.autocommit(
         [
             (
                 f"SELECT key, state = 'completed' AND expires_at > statement_timestamp() "

@@ -36,11 +36,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from example_project.processes import EmbeddedRedis, _spawn, _stop_group, pid_alive, tail
+from celery_idempotent.servers.processes import pid_alive, spawn, stop_process, tail
+from example_project.demo.processes import start_redis
 
 __all__ = ["main"]
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -114,7 +115,7 @@ def _run_backend(
             "--loglevel", "WARNING", "--without-gossip", "--without-mingle",
             "--without-heartbeat",
         ]  # fmt: skip
-        workers.append(_spawn(argv, env=env, log=work / f"{backend}{index}.log", cwd=work))
+        workers.append(spawn(argv, env=env, output=work / f"{backend}{index}.log", cwd=work))
     kills: list[tuple[int, int]] = []
     try:
         deadline = time.monotonic() + 60
@@ -153,7 +154,7 @@ def _run_backend(
             thread.join()
     finally:
         for proc in workers:
-            _stop_group(proc, signal.SIGTERM, 10.0)
+            stop_process(proc, 10.0, group=True)
         pgshop.app.close()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         rows = conn.execute(
@@ -200,12 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis_url = options.redis_url
         if not redis_url:
-            redis_server = EmbeddedRedis(work)
-            redis_server.start()
+            redis_server = start_redis(work)
             redis_url = redis_server.url(0)
         pg_url = options.postgres_url
         if not pg_url:
-            from celery_idempotent._pgserver import PostgresServer
+            from celery_idempotent.servers.postgres_server import PostgresServer
 
             pg_server = PostgresServer().start()
             pg_url = pg_server.url

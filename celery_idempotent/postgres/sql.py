@@ -1,4 +1,4 @@
-"""The PostgreSQL backend's table: its DDL, the SQL of every step, and how a row holds a result.
+"""The PostgreSQL backend's table: its DDL, the SQL of every step, and how a row holds a record.
 
 :mod:`celery_idempotent.postgres` runs these statements; nothing here opens a connection.
 """
@@ -6,20 +6,21 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from celery_idempotent.exceptions import RecordDecodeError, ResultEncodeError
+from celery_idempotent.codec import ResultCodec
 from celery_idempotent.protocols import IdempotencyRecord
 
 __all__ = [
     "DEFAULT_TABLE",
     "DIVISION_BY_ZERO",
     "LOCK_NOT_AVAILABLE",
-    "RowCodec",
     "Statements",
     "check_table",
     "ddl",
+    "decode_row",
+    "encode_result",
     "is_pg_error",
     "quote_table",
 ]
@@ -161,55 +162,19 @@ class Statements:
         self.ddl_lock = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 
 
-class RowCodec:
-    """Results through kombu's serializers, loaded only with an accept list."""
+def encode_result(
+    codec: ResultCodec, key: str, record: IdempotencyRecord
+) -> tuple[str, str, bytes]:
+    """The ``content_type``, ``content_encoding`` and ``result`` columns of ``record``;
+    :class:`~celery_idempotent.exceptions.ResultEncodeError` when the serializer refuses it."""
+    return codec.content_type, codec.content_encoding, codec.dumps(key, record.result)
 
-    def __init__(self, serializer: str, accept: Iterable[str] | None) -> None:
-        import kombu.serialization  # noqa: PLC0415
 
-        kombu_ser: Any = kombu.serialization
-        registry = kombu_ser.registry
-        if not isinstance(serializer, str) or serializer not in registry._encoders:
-            known = ", ".join(sorted(registry._encoders))
-            raise ValueError(f"serializer must be one of {known}, got {serializer!r}")
-        if accept is None or isinstance(accept, str):
-            raise TypeError(
-                f"accept must be a list of serializer names or content types, got {accept!r}"
-            )
-        self.accept = frozenset(kombu_ser.prepare_accept_content(list(accept)))
-        self.serializer = serializer
-        self._codec = registry._encoders[serializer]
-        self._kombu = kombu_ser
-        if self._codec.content_type not in self.accept:
-            raise ValueError(
-                f"serializer {serializer!r} writes results that accept={list(accept)!r} would "
-                "refuse to read back; add it to accept"
-            )
-
-    def encode(self, key: str, record: IdempotencyRecord) -> tuple[str, str, bytes]:
-        codec = self._codec
-        try:
-            data = codec.encoder(record.result)
-        except Exception as exc:
-            raise ResultEncodeError(key, record.result, f"{self.serializer}: {exc}") from exc
-        if isinstance(data, str):
-            data = data.encode("utf-8")
-        return codec.content_type, codec.content_encoding, bytes(data)
-
-    def decode(self, key: str, row: Sequence[Any]) -> IdempotencyRecord:
-        _state, fingerprint, ctype, encoding, data, created_at, fence = row
-        if ctype not in self.accept:
-            raise RecordDecodeError(
-                key,
-                ctype,
-                f"stored result has content type {ctype!r}, which accept={sorted(self.accept)} "
-                "does not allow; it was not loaded",
-            )
-        raw = bytes(data) if data is not None else b""
-        try:
-            payload: Any = raw if encoding == "binary" else raw.decode(encoding or "utf-8")
-            result = self._kombu.loads(payload, ctype, encoding, accept=self.accept)
-        except Exception as exc:
-            raise RecordDecodeError(key, ctype, f"stored result cannot be decoded: {exc}") from exc
-        token = None if fence is None else int(fence)
-        return IdempotencyRecord(result, fingerprint, float(created_at or 0.0), token)
+def decode_row(codec: ResultCodec, key: str, row: Sequence[Any]) -> IdempotencyRecord:
+    """The record in a row of :attr:`Statements.select`'s columns;
+    :class:`~celery_idempotent.exceptions.RecordDecodeError` when its result is refused."""
+    _state, fingerprint, ctype, encoding, data, created_at, fence = row
+    raw = bytes(data) if data is not None else b""
+    result = codec.loads(key, ctype, encoding, raw)
+    token = None if fence is None else int(fence)
+    return IdempotencyRecord(result, fingerprint, float(created_at or 0.0), token)

@@ -1,0 +1,19 @@
+"""What the tests, the demo's tests and the benchmarks share: servers, workers, proxies, counters.
+
+Imported as a package (``from tests.support.workers import CeleryWorker``): pytest puts the
+repository's root on ``sys.path`` (``pythonpath = .`` in ``setup.cfg``), and ``python -m
+benchmarks`` runs from there. The servers a user's own tests and the demo may start too (a
+private Redis, a private PostgreSQL) and the process helpers are the library's, in
+:mod:`celery_idempotent.servers`; this package holds what only this repository's tests need:
+
+- :mod:`~tests.support.redis_bin`: which ``redis-server``/``redis-cli`` to run, and whether it
+  has TLS;
+- :mod:`~tests.support.redis_server`: one private server with every option a test needs
+  (persistence, ACL, TLS, unix socket, cluster mode, restarts);
+- :mod:`~tests.support.redis_cluster`, :mod:`~tests.support.sentinel`: a local Cluster, a
+  Sentinel group;
+- :mod:`~tests.support.proxy`: a TCP proxy that stalls and cuts connections;
+- :mod:`~tests.support.keys`: a test's keys in a shared Redis, by prefix;
+- :mod:`~tests.support.workers`: real ``celery worker`` processes;
+- :mod:`~tests.support.cleanup`: what is still open at exit is closed.
+"""
