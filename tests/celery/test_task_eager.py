@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -41,31 +41,6 @@ class Calls:
 
     def __getitem__(self, name: str) -> int:
         return self.counts.get(name, 0)
-
-
-@pytest.fixture
-def make_app(
-    redis_url: str, key_prefix: str, fresh_config: None
-) -> Iterator[Callable[..., Celery]]:
-    """A fresh in-process app on the test Redis (records under ``key_prefix``)."""
-    apps: list[Celery] = []
-
-    def factory(**conf: Any) -> Celery:
-        app = Celery(f"eager-{uuid.uuid4().hex[:8]}", set_as_current=False)
-        app.conf.update(
-            broker_url="memory://",
-            result_backend="cache+memory://",
-            idempotency_url=redis_url,
-            idempotency_key_prefix=key_prefix,
-            task_eager_propagates=False,
-            **conf,
-        )
-        apps.append(app)
-        return app
-
-    yield factory
-    for app in apps:
-        app.close()
 
 
 @pytest.fixture
