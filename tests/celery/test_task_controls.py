@@ -10,7 +10,7 @@ import logging
 import sys
 import types
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,30 +36,6 @@ class CardDeclinedError(Exception):
         super().__init__(order_id, reason)
         self.order_id = order_id
         self.reason = reason
-
-
-@pytest.fixture
-def make_app(
-    redis_url: str, key_prefix: str, fresh_config: None
-) -> Iterator[Callable[..., Celery]]:
-    apps: list[Celery] = []
-
-    def factory(**conf: Any) -> Celery:
-        app = Celery(f"controls-{uuid.uuid4().hex[:8]}", set_as_current=False)
-        app.conf.update(
-            broker_url="memory://",
-            result_backend="cache+memory://",
-            idempotency_url=redis_url,
-            idempotency_key_prefix=key_prefix,
-            task_eager_propagates=False,
-            **conf,
-        )
-        apps.append(app)
-        return app
-
-    yield factory
-    for app in apps:
-        app.close()
 
 
 def name() -> str:

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,8 +21,8 @@ from celery_idempotent import (
     LockAcquisitionError,
     current_lease,
 )
+from celery_idempotent._redis import glob_escape
 from celery_idempotent.keys import key_digest as _hash
-from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.redis
 
@@ -44,37 +44,12 @@ class Calls:
 
 
 @pytest.fixture
-def make_app(
-    redis_url: str, key_prefix: str, fresh_config: None
-) -> Iterator[Callable[..., Celery]]:
-    """A fresh in-process app on the test Redis (records under ``key_prefix``)."""
-    apps: list[Celery] = []
-
-    def factory(**conf: Any) -> Celery:
-        app = Celery(f"eager-{uuid.uuid4().hex[:8]}", set_as_current=False)
-        app.conf.update(
-            broker_url="memory://",
-            result_backend="cache+memory://",
-            idempotency_url=redis_url,
-            idempotency_key_prefix=key_prefix,
-            task_eager_propagates=False,
-            **conf,
-        )
-        apps.append(app)
-        return app
-
-    yield factory
-    for app in apps:
-        app.close()
-
-
-@pytest.fixture
 def calls() -> Calls:
     return Calls()
 
 
 def keys_under(redis_client: Any, prefix: str) -> list[bytes]:
-    return list(redis_client.scan_iter(match=escape_glob(prefix) + "*"))
+    return list(redis_client.scan_iter(match=glob_escape(prefix) + "*"))
 
 
 # --------------------------------------------------------------------------- apply / eager

@@ -12,10 +12,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from cidem_helpers import wait_for
 
 from celery_idempotent._health import eviction_policy, eviction_warning
 from tests.support.redis_server import RedisServer
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
 EVICTION_LINE = "has maxmemory-policy allkeys-lru"

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
-from cidem_helpers import count, key_of, signal_count, wait_for
+from cidem_helpers import count, key_of, signal_count
 
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow]

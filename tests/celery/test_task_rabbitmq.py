@@ -8,8 +8,9 @@ from types import ModuleType
 
 import pytest
 from celery import Celery
-from cidem_helpers import count, settled, wait_for
+from cidem_helpers import count, settled
 
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.rabbitmq]

@@ -15,8 +15,8 @@ from celery.exceptions import Retry, SoftTimeLimitExceeded
 from cidem_helpers import key_of, redis_names
 
 from celery_idempotent import IdempotentTask, LockAcquisitionError, current_lease
+from celery_idempotent._redis import glob_escape
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
-from tests.support.keys import escape_glob
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 
@@ -343,7 +343,7 @@ def test_key_prefix_namespaces_every_key(
     app = redis_app(idempotency_key_prefix=f"{key_prefix}custom:")
     task = plain_task(app)
     task.apply((1,)).get()
-    names = list(redis_client.scan_iter(match=escape_glob(key_prefix) + "*"))
+    names = list(redis_client.scan_iter(match=glob_escape(key_prefix) + "*"))
     assert names
     assert all(n.decode().startswith(f"{key_prefix}custom:") for n in names)
 
@@ -404,7 +404,7 @@ def test_kill_switch_runs_tasks_plainly(
     body.apply((1,))
     body.apply((1,))
     assert runs == [1, 1]
-    assert list(redis_client.scan_iter(match=escape_glob(key_prefix) + "*")) == []
+    assert list(redis_client.scan_iter(match=glob_escape(key_prefix) + "*")) == []
 
 
 def test_resolved_settings_are_the_documented_dataclass(make_app: Callable[..., Celery]) -> None:

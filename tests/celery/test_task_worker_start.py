@@ -10,11 +10,11 @@ from types import ModuleType
 
 import pytest
 from celery import Celery
-from cidem_helpers import wait_for
 
 from celery_idempotent import IdempotentTask
 from celery_idempotent.settings import clear_cache
 from celery_idempotent.task import check_app_at_worker_start
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
 

@@ -16,15 +16,7 @@ from typing import Any
 
 import pytest
 from celery import chain, chord
-from cidem_helpers import (
-    count,
-    key_of,
-    redis_names,
-    settled,
-    signal_count,
-    signal_data,
-    wait_for,
-)
+from cidem_helpers import count, key_of, redis_names, settled, signal_count, signal_data
 
 from celery_idempotent import (
     IdempotencyError,
@@ -36,6 +28,7 @@ from celery_idempotent import (
     RedisIdempotencyStore,
 )
 from celery_idempotent.keyspace import decode_record
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from types import ModuleType
 
 import pytest
-from cidem_helpers import wait_for
 
 from celery_idempotent.servers.processes import pid_alive
+from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]

@@ -14,7 +14,14 @@ import os
 from typing import Any
 
 import pytest
+import redis
 from faultlib import FIGURES
+
+from celery_idempotent import (
+    DistributedIdempotencyGuard,
+    RedisIdempotencyStore,
+    RedisLockProvider,
+)
 
 FIGURES_ENV = "CELERY_IDEMPOTENT_FAULT_FIGURES"
 
@@ -36,3 +43,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def short_client_options() -> dict[str, Any]:
     """Client options for a Redis behind a fault: fail in well under a lease, not in 5 s."""
     return {"socket_timeout": 0.3, "socket_connect_timeout": 0.3}
+
+
+@pytest.fixture
+def guard(redis_client: redis.Redis, key_prefix: str) -> DistributedIdempotencyGuard:
+    """A guard on the test Redis that tries once (no retries): a fault shows at once."""
+    return DistributedIdempotencyGuard(
+        store=RedisIdempotencyStore(redis_client),
+        lock_provider=RedisLockProvider(redis_client),
+        key_prefix=key_prefix,
+        retry_count=0,
+    )

@@ -8,7 +8,6 @@ to ``$CELERY_IDEMPOTENT_FAULT_FIGURES`` (JSON) when that variable is set.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import uuid
 from collections import defaultdict
@@ -22,6 +21,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from fault_app import env_for, make_app
 
+from celery_idempotent.servers.redis_server import forget_pending_results
 from tests.support.redis_server import RedisServer
 from tests.support.workers import CeleryWorker
 
@@ -221,17 +221,3 @@ def fault_env(
         app.close()
         marks.close()
         idem.close()
-
-
-def forget_pending_results(app: Celery) -> None:
-    """Let go of the results ``app``'s backend still tracks, while its Redis is up.
-
-    A result unsubscribes from its Redis channel when it is collected; Celery before 5.6
-    retries that forever once the (private, stopped) server has gone, so a result collected
-    in a later test would hang it.
-    """
-    pending = getattr(app.backend, "_pending_results", None)
-    with contextlib.suppress(Exception):
-        for mapping in pending or ():
-            mapping.clear()
-    gc.collect()

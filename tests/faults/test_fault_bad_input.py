@@ -42,16 +42,6 @@ def counted() -> None:
     record_figures("bad input (clear error, lock free, nothing stored)", **FIGURES)
 
 
-@pytest.fixture
-def guard(redis_client: redis.Redis, key_prefix: str) -> DistributedIdempotencyGuard:
-    return DistributedIdempotencyGuard(
-        store=RedisIdempotencyStore(redis_client),
-        lock_provider=RedisLockProvider(redis_client),
-        key_prefix=key_prefix,
-        retry_count=0,
-    )
-
-
 def keys_under(client: redis.Redis, prefix: str) -> list[bytes]:
     """Every key under ``prefix`` except the fence counters (they outlive leases by design)."""
     return sorted(

@@ -70,16 +70,6 @@ def plant(client: redis.Redis, record_key: str, **fields: str | bytes) -> None:
     pipe.execute()
 
 
-@pytest.fixture
-def guard(redis_client: redis.Redis, key_prefix: str) -> DistributedIdempotencyGuard:
-    return DistributedIdempotencyGuard(
-        store=RedisIdempotencyStore(redis_client),
-        lock_provider=RedisLockProvider(redis_client),
-        key_prefix=key_prefix,
-        retry_count=0,
-    )
-
-
 # --------------------------------------------------------------------------- planted records
 
 

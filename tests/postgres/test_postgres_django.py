@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,22 +22,13 @@ import pytest
 import redis
 from celery import Celery
 
+from tests.support.waiting import wait_for
 from tests.support.workers import CeleryWorker
 
 PROJECT = Path(__file__).resolve().parent / "django_project"
 ROWS = 3
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow]
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +99,9 @@ def test_orm_writes_commit_with_the_record_and_a_kill_leaves_no_partial_rows(
     marks = redis.Redis.from_url(redis_url)
     order = f"o-{uuid.uuid4().hex[:6]}"
     result = app.send_task("djworker.charge", (order, ROWS, 60.0), queue=queue)
-    victim = int(wait_for(lambda: marks.get(f"{table}:inserted:{order}:1"), 60, "first insert"))
+    victim = int(
+        wait_for(lambda: marks.get(f"{table}:inserted:{order}:1"), 60, what="first insert")
+    )
     # The body has created its rows: nobody else sees them, nor a record, until it commits.
     assert _rows(postgres_url, table, order) == {}
     assert _record(postgres_url, table, order) == []

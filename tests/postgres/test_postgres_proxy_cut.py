@@ -13,32 +13,21 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 import redis
 
 from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_for
 from tests.support.workers import CeleryWorker
 
 HERE = Path(__file__).resolve().parent
 ROWS = 3
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow]
-
-
-def wait_for(check: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_cut_mid_body_rolls_back_and_the_next_holder_runs_once(
@@ -72,7 +61,7 @@ def test_cut_mid_body_rolls_back_and_the_next_holder_runs_once(
             worker_a.wait_ready()
             worker_b.wait_ready()
             first = pg_app.pay.apply_async((order, ROWS, 4.0), queue=queues[0])
-            pid_a = int(wait_for(lambda: marks.get(f"{pg_table}:inserted:{order}:1"), 30, "A"))
+            pid_a = int(wait_for(lambda: marks.get(f"{pg_table}:inserted:{order}:1"), 30, what="A"))
             proxy.cut()
             second = pg_app.pay.apply_async((order, ROWS, 4.0), queue=queues[1])
             value = second.get(timeout=60)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -21,22 +20,13 @@ import psycopg
 import pytest
 import redis
 
+from tests.support.waiting import wait_for
 from tests.support.workers import CeleryWorker
 
 HERE = Path(__file__).resolve().parent
 ROWS = 3
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow]
-
-
-def wait_for(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("backend", ["postgres", "redis"])
@@ -66,7 +56,9 @@ def test_sigkill_after_insert(
     ) as worker:
         worker.start()
         result = pg_app.pay.apply_async((order, ROWS, 60.0), queue=queue)
-        victim = int(wait_for(lambda: marks.get(f"{pg_table}:inserted:{order}:1"), 30, "insert"))
+        victim = int(
+            wait_for(lambda: marks.get(f"{pg_table}:inserted:{order}:1"), 30, what="insert")
+        )
         assert victim in worker.child_pids()
         worker.kill_child(victim)
         value = result.get(timeout=60)

@@ -1,23 +1,16 @@
-"""Keys of a test in a shared Redis: found by prefix with SCAN, never KEYS or FLUSHDB."""
+"""Keys of a test in a shared Redis: found by prefix with SCAN, never KEYS or FLUSHDB.
+
+The prefix is escaped by the library's own ``glob_escape`` (the one its SCAN walks use).
+"""
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
+
+from celery_idempotent._redis import glob_escape
 
 if TYPE_CHECKING:
     import redis
-
-
-_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
-
-
-def escape_glob(text: str) -> str:
-    """Escape Redis glob metacharacters (``* ? [ ] \\``) so ``text`` matches only itself.
-
-    Braces are not special to Redis globs: ``"test:ab:lock:{k}"`` needs no escaping for them.
-    """
-    return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
 def delete_keys_with_prefix(
@@ -31,7 +24,7 @@ def delete_keys_with_prefix(
     """
     if not prefix:
         raise ValueError("refusing to delete with an empty prefix")
-    pattern = escape_glob(prefix) + "*"
+    pattern = glob_escape(prefix) + "*"
     deleted = 0
     batch: list[bytes | str] = []
 

@@ -301,15 +301,21 @@ class RedisServer:
             context.load_cert_chain(self.tls_client_cert_file, self.tls_client_key_file)
         return context
 
-    def _config(self) -> str:
+    def _process_config(self) -> list[str]:
+        """Where the process listens, works and logs (a Sentinel's config starts the same)."""
         assert self.dir is not None
-        lines = [
+        return [
             f"bind {self.host}",
             f"port {self.port}",
             f"dir {quote_config(str(self.dir))}",
             "daemonize no",
             'logfile ""',
             "loglevel notice",
+        ]
+
+    def _config(self) -> str:
+        lines = [
+            *self._process_config(),
             "databases 16",
             'save ""',
             "dbfilename dump.rdb",

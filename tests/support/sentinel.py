@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tests.support.cleanup import close_at_exit, forget_at_exit
 from tests.support.redis_bin import RedisServerError
-from tests.support.redis_server import RedisServer, quote_config
+from tests.support.redis_server import RedisServer
 
 if TYPE_CHECKING:
     import redis
@@ -46,17 +46,7 @@ class _SentinelProcess(RedisServer):
         self.monitor = list(monitor)
 
     def _config(self) -> str:
-        assert self.dir is not None
-        lines = [
-            f"bind {self.host}",
-            f"port {self.port}",
-            f"dir {quote_config(str(self.dir))}",
-            "daemonize no",
-            'logfile ""',
-            "loglevel notice",
-            *self.monitor,
-        ]
-        return "\n".join(lines) + "\n"
+        return "\n".join([*self._process_config(), *self.monitor]) + "\n"
 
     def _arguments(self) -> list[str]:
         return ["--sentinel"]
