@@ -356,8 +356,9 @@ class RedisAtomicBackend:
             if acked is not None and int(acked) < self.store.wait_replicas:
                 # Taken on a server whose replicas do not have it: give it back (a master
                 # about to be demoted would lose it anyway) before anything runs under it.
+                # Nothing ran under its token, so none is kept (no tombstone).
                 with contextlib.suppress(Exception):  # else it expires within ttl
-                    self.locks.release(lease)
+                    self.locks.release(lease, unused=True)
                 self.store.check_replicated(key, acked, "claim")
             return Claim(lease, None)
         if status == 2:
