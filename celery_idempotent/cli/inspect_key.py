@@ -11,17 +11,8 @@ from celery.bin.base import CeleryCommand
 
 from celery_idempotent import keyspace
 from celery_idempotent.admin import KeyInfo, format_duration, read_key
-from celery_idempotent.cli.common import (
-    KeySelection,
-    Target,
-    common_options,
-    connect,
-    emit_json,
-    iso,
-    key_options,
-    print_pairs,
-    redis_errors,
-)
+from celery_idempotent.cli.common import Target, connect, emit_json, iso, print_pairs, redis_errors
+from celery_idempotent.cli.options import KeySelection, common_options, key_options
 from celery_idempotent.exceptions import RecordDecodeError
 
 __all__ = ["inspect"]
