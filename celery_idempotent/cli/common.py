@@ -29,6 +29,7 @@ __all__ = [
     "emit_json",
     "iso",
     "print_pairs",
+    "print_result",
     "print_table",
     "progress",
     "redis_errors",
@@ -215,6 +216,15 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
             for i in range(len(headers))
         ]
         click.echo("  ".join(parts).rstrip())
+
+
+def print_result(result: Any, error: str | None) -> None:
+    """A stored result after a blank line (JSON, indented), or on stderr why it is not shown."""
+    click.echo("")
+    if error is not None:
+        click.echo(f"result not shown: {error}", err=True)
+    else:
+        click.echo(json.dumps(result, indent=2, default=repr))
 
 
 def progress(target: Target, message: str) -> None:
