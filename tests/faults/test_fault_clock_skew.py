@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import redis
-from faultlib import record_figures
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -26,6 +25,7 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from tests.faults.faultlib import record_figures
 
 HOUR = 3600.0
 SKEWS = [pytest.param(HOUR, id="ahead-1h"), pytest.param(-HOUR, id="behind-1h")]
