@@ -8,7 +8,6 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent import keyspace
-from celery_idempotent._health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import (
     batch_size_option,
     common_options,
@@ -19,6 +18,7 @@ from celery_idempotent.cli.common import (
     redis_errors,
 )
 from celery_idempotent.cli.scan import Scan, scan_names
+from celery_idempotent.health import eviction_policy, eviction_warning
 
 __all__ = ["stats"]
 

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_idempotent import transactions
-from celery_idempotent._validate import check_duration
 from celery_idempotent.codec import ResultCodec
 from celery_idempotent.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.postgres.connections import (
@@ -37,6 +36,7 @@ from celery_idempotent.postgres.sql import (
 )
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 from celery_idempotent.urls import redact
+from celery_idempotent.validate import check_duration
 
 __all__ = ["PostgresBackend"]
 

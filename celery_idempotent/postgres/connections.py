@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from celery_idempotent import _green
+from celery_idempotent import green
 from celery_idempotent.exceptions import IdempotencyConnectionError
 from celery_idempotent.postgres.sql import LOCK_NOT_AVAILABLE, Statements, ddl, is_pg_error
 from celery_idempotent.protocols import Lease
@@ -330,7 +330,7 @@ def import_psycopg() -> Any:
         raise ImportError(
             "the PostgreSQL backend needs psycopg 3: pip install 'celery-idempotent[postgres]'"
         ) from exc
-    if _green.runtime() is not None:
+    if green.runtime() is not None:
         cooperative_wait(psycopg)
     return psycopg
 

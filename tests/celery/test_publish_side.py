@@ -331,10 +331,13 @@ def test_two_beats_run_a_periodic_task_once_per_slot(
         entry.decode().split("|") for entry in pub.client().lrange(f"{pub.PREFIX}fx:ticks", 0, -1)
     ]
     slots = [int(slot) for slot, _ in ticks]
-    assert all(n >= 8 for n in sent), (sent, logs)  # both beats published every 2 s
+    # How many slots pass depends on how fast two `celery beat` processes start on a loaded
+    # machine; what must hold is relative to what they sent: each beat sends once per slot, so
+    # every slot either beat sent in has run (the last one may still be cut by the stop).
+    assert all(n >= 5 for n in sent), (sent, logs)  # both beats published, every 2 s
     assert len(slots) == len(set(slots)), f"a slot ran twice: {sorted(slots)}"
     assert sorted(slots) == list(range(min(slots), max(slots) + 2, 2)), f"missed: {sorted(slots)}"
-    assert len(slots) >= 9
+    assert len(slots) >= max(sent) - 1, (sorted(slots), sent)
     assert sum(sent) > len(slots) + 5  # the other beat's publishes were stopped
 
 
