@@ -131,34 +131,47 @@ last = tonumber(b and string.sub(held, a + 1, b - 1) or '') or 0
 
 # Hands out the next fencing token for lock KEYS[1] (floored by the server clock, fence key
 # value fv and a tombstone's token last) and takes the lock for token ARGV[1] with a lease of
-# ARGV[2] ms. Sets fs (the token, a string). (Needs now, ms, fv, last.)
+# ARGV[2] ms. Sets fs (the token, a string). (Needs now, ms, fv, last.) The deadline is
+# concatenated as a Lua number ("%.14g": exact for ms until the year 5138); the token, 16
+# digits, needs string.format. (The common case, a token floored by the clock alone, skips the
+# arithmetic: server time per call is what this script is measured by.)
 def _take(fk: str) -> str:
     return (
         """
-local f = math.max(now, tonumber(fv or '0') + 1, last + 1)
+local f = now
+if fv then f = math.max(f, tonumber(fv) + 1) end
+if last >= f then f = last + 1 end
 local fs = string.format('%d', f)
-redis.call('set', KEYS[1], string.format('%d', ms + ARGV[2]) .. '{sep}' .. fs .. '{sep}' .. ARGV[1],
-           'PX', {px})
-""".replace("{sep}", _SEP).replace("{px}", _lock_px("f", "tonumber(ARGV[2])"))
-        + _keep(fk, "fs", ">")
+local px = ARGV[2] + {margin}
+if f > now then px = {px} end
+redis.call('set', KEYS[1], (ms + ARGV[2]) .. '{sep}' .. fs .. '{sep}' .. ARGV[1], 'PX', px)
+if f > now then
+  redis.call('set', {fk}, fs)
+  redis.call('pexpireat', {fk}, string.format('%d', math.floor(f / 1000) + 1))
+end
+""".replace("{sep}", _SEP)
+        .replace("{px}", _lock_px("f", "tonumber(ARGV[2])"))
+        .replace("{margin}", _MARGIN)
+        .replace("{fk}", fk)
     )
 
 
-# Sets live: whether lock value v (a string or false) is the valid lease of lease token ARGV[1].
-# (Needs now.)
+# Sets live: whether lock value v (a string or false) is the valid lease of lease token ARGV[1]
+# ("<deadline>/<ARGV[1]>" before its deadline, or exactly ARGV[1]: a lock from before the
+# deadlines). A plain find, not substrings: no copy of the token. (Needs now.)
 _LIVE = """
 local live = false
 if v then
   if v == ARGV[1] then
     live = true
   else
-    local n = #v - #ARGV[1]
-    if n > 1 and string.sub(v, n) == '{sep}' .. ARGV[1] then
-      live = (tonumber(string.sub(v, 1, n - 1)) or 0) * 1000 > now
+    local p = string.find(v, ARGV[1], 2, true)
+    if p and p + #ARGV[1] == #v + 1 and string.byte(v, p - 1) == {sepb} then
+      live = (tonumber(string.sub(v, 1, p - 2)) or 0) * 1000 > now
     end
   end
 end
-""".replace("{sep}", _SEP)
+""".replace("{sepb}", str(ord(_SEP)))
 
 # Turns lock KEYS[1] of lease token ARGV[1] and fencing token f (a number) into a tombstone: the
 # lease ends now, for good (its deadline is 0: a server clock that steps back does not revive

@@ -106,10 +106,7 @@ MUTANTS = [
         script_edit=_sub(
             (r"math\.max\(last \+ 1, now\)", "last + 1"),  # v1
             (r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1)\)", r"\1"),  # v2
-            (  # v2 with tombstones
-                r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1), (last \+ 1)\)",
-                r"math.max(\1, \2)",
-            ),
+            (r"\nlocal f = now\n", "\nlocal f = 0\n"),  # v2 with tombstones
         ),
     ),
     Mutant(
@@ -152,9 +149,10 @@ MUTANTS += [
     ),
     Mutant(
         "lease-key-without-margin",
-        "a claim's lock lives only as long as its lease: once it expires nothing keeps the token",
+        "a claim's lock lives only as long as its lease: once it expires nothing keeps the "
+        "token",
         script_edit=_sub(
-            (r"(math\.floor\(f / 1000\) - ms\)) \+ \d+\)\n\n(if tonumber\(fs\))", r"\1)\n\n\2"),
+            (r"(local px = ARGV\[2\]) \+ \d+\n", r"\1\n"),
             only="CLAIM",
         ),
     ),
