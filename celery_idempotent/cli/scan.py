@@ -10,8 +10,8 @@ from typing import Any
 import click
 
 from celery_idempotent import _redis
-from celery_idempotent.cli.common import SAMPLE, Target, parse_redis_name, progress, task_of_slot
-from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK
+from celery_idempotent.cli.common import SAMPLE, Target, progress
+from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name, task_of_slot
 
 __all__ = [
     "Scan",
@@ -84,7 +84,7 @@ def scan_names(
     holder = target.client.register_script(_redis.HOLDER)
     for raw in target.client.scan_iter(match=pattern, count=batch_size):
         scan.scanned += 1
-        parsed = parse_redis_name(decode_name(raw), target.prefix)
+        parsed = parse_name(decode_name(raw), target.prefix)
         if parsed is None:
             scan.other += 1
             continue

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import _green, _native_redis, _redis, keyspace
-from celery_idempotent._validate import check_duration
+from celery_idempotent import _redis, green, keyspace, native_redis
 from celery_idempotent.protocols import Lease
+from celery_idempotent.validate import check_duration
 
 __all__ = ["RedisLockProvider"]
 
@@ -104,16 +104,16 @@ class RedisLockProvider:
         no such connection (a Cluster client; under gevent/eventlet also TLS and Sentinel):
         the keeper then calls :meth:`extend`. Call it from one thread only.
         """
-        natives = _green.natives()
+        natives = green.natives()
         cache: dict[str | None, Any] = self.__dict__.setdefault("_renewers", {})
         if natives.runtime not in cache:
-            caller = _native_redis.native_caller_for(self.client, natives)
+            caller = native_redis.native_caller_for(self.client, natives)
             cache[natives.runtime] = None if caller is None else self._make_renew(caller)
         found: Callable[[Lease, float, float], bool] | None = cache[natives.runtime]
         return found
 
     def _make_renew(
-        self, caller: _native_redis.NativeRedisCaller
+        self, caller: native_redis.NativeRedisCaller
     ) -> Callable[[Lease, float, float], bool]:
         def renew(lease: Lease, ttl: float, timeout: float) -> bool:
             keys, args = self._extend_arguments(lease, ttl)

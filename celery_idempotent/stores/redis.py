@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from celery_idempotent import _redis, keyspace
-from celery_idempotent._validate import check_count, check_duration
 from celery_idempotent.codec import ResultCodec, serializer_info
 from celery_idempotent.exceptions import (
     IdempotencyBackendError,
@@ -23,6 +22,7 @@ from celery_idempotent.exceptions import (
 )
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.validate import check_count, check_duration
 
 __all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import redis
-from faultlib import record_figures
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -28,6 +27,7 @@ from celery_idempotent import (
     RedisLockProvider,
     keyspace,
 )
+from tests.faults.faultlib import record_figures
 
 HOUR = 3600.0
 SKEWS = [pytest.param(HOUR, id="ahead-1h"), pytest.param(-HOUR, id="behind-1h")]

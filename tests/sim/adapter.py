@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import greenlet
 
-from celery_idempotent import _redis, _renewal
+from celery_idempotent import _redis
+from celery_idempotent import renewal as lease_renewal
 from celery_idempotent.guard import DistributedIdempotencyGuard
 from celery_idempotent.keys import lock_resource, record_key
 from celery_idempotent.locks.redis import RedisLockProvider
@@ -248,7 +249,7 @@ def _load(data: bytes) -> Any:
 
 
 class _RenewalNamespace:
-    """What ``guard._run_body`` sees as ``_renewal``: the real module, with the keeper swapped
+    """What ``guard._run_body`` sees as ``renewal``: the real module, with the keeper swapped
     for the process's :class:`SimKeeper` (both the ``keeper().keep(...)`` and the
     ``keep(...)``/``stop(...)`` spellings of the module's API)."""
 
@@ -256,7 +257,7 @@ class _RenewalNamespace:
         self._keeper = keeper
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(_renewal, name)
+        return getattr(lease_renewal, name)
 
     def keeper(self) -> SimKeeper:
         return self._keeper
@@ -300,20 +301,20 @@ class SimKeeper:
         self._natives = None
         self._connect = connect  # timeout -> a client of the keeper's own
         self.greenlet: Any = None  # the keeper's own greenlet, once started
-        fn = renew or rebind(_renewal.LeaseKeeper._renew, time=proc.time)
+        fn = renew or rebind(lease_renewal.LeaseKeeper._renew, time=proc.time)
         self._renew = types.MethodType(fn, self)
         # The keeper's _renew returns the next due time (or None) in the newer keeper, and
         # pushes the renewal back itself in the older one.
         self._returns_due = "due" in _params(fn)
         for helper in ("_lose", "_log"):
-            real = getattr(_renewal.LeaseKeeper, helper, None)
+            real = getattr(lease_renewal.LeaseKeeper, helper, None)
             if real is not None:
                 setattr(self, helper, types.MethodType(rebind(real, time=proc.time), self))
-        self._init_renewal = rebind(_renewal.Renewal.__init__, time=proc.time)
-        self._init_params = _params(_renewal.Renewal.__init__)
+        self._init_renewal = rebind(lease_renewal.Renewal.__init__, time=proc.time)
+        self._init_params = _params(lease_renewal.Renewal.__init__)
 
     def keep(self, provider: Any, lease: Any, ttl: float, interval: float, **kw: Any) -> Any:
-        renewal = _renewal.Renewal.__new__(_renewal.Renewal)
+        renewal = lease_renewal.Renewal.__new__(lease_renewal.Renewal)
         if "renew" in self._init_params:
             make = getattr(provider, "_make_renew", None)
             renew = kw.get("renew")
@@ -397,9 +398,9 @@ def make_guard(
     # Every method of the guard that reaches for the renewal module sees the simulated keeper,
     # and every one that reads the time module reads the process's clocks.
     swapped = {
-        name: rebind(fn, _renewal=namespace, time=proc.time)
+        name: rebind(fn, renewal=namespace, time=proc.time)
         for name, fn in vars(DistributedIdempotencyGuard).items()
-        if isinstance(fn, types.FunctionType) and {"_renewal", "time"} & set(fn.__code__.co_names)
+        if isinstance(fn, types.FunctionType) and {"renewal", "time"} & set(fn.__code__.co_names)
     }
     if not swapped:
         raise AssertionError("the guard no longer calls the renewal module: update the adapter")

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from celery_idempotent import _redis, _renewal
+from celery_idempotent import _redis, renewal
 
 from . import adapter
 
@@ -31,7 +31,7 @@ class Mutant:
     def renew(self, proc: Any) -> Any:
         if self.renew_edit is None:
             return None
-        return adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit, time=proc.time)
+        return adapter.recompile(renewal.LeaseKeeper._renew, self.renew_edit, time=proc.time)
 
     def check(self) -> None:
         """Raise unless every edit of this mutant applies to the library's current code."""
@@ -40,7 +40,7 @@ class Mutant:
             if all(self.script_edit(s) == s for s in sources):
                 raise ValueError(f"mutant {self.name}: its script edit matches no script")
         if self.renew_edit is not None:
-            adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit)
+            adapter.recompile(renewal.LeaseKeeper._renew, self.renew_edit)
 
 
 def _sub(*alternatives: tuple[str, str], only: str | None = None) -> Callable[[str], str]:
