@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from celery_idempotent import _redis, renewal
+from celery_idempotent import renewal
 
 from . import adapter
 
@@ -45,12 +45,12 @@ class Mutant:
 
 def _sub(*alternatives: tuple[str, str], only: str | None = None) -> Callable[[str], str]:
     """A script edit: the first of ``(pattern, replacement)`` that matches, applied once, to
-    the script ``only`` (a constant's name in ``_redis``) or to any. Alternatives cover the
-    script texts of both Redis layouts (v1, v2)."""
+    the script ``only`` (a constant's name in the library's script modules) or to any.
+    Alternatives cover the script texts of both Redis layouts (v1, v2)."""
     compiled = [(re.compile(p, re.S), r) for p, r in alternatives]
 
     def edit(src: str) -> str:
-        if only is not None and src != getattr(_redis, only, None):
+        if only is not None and src != adapter.script_source(only):
             return src
         for rx, repl in compiled:
             out = rx.sub(repl, src, count=1)
@@ -149,8 +149,7 @@ MUTANTS += [
     ),
     Mutant(
         "lease-key-without-margin",
-        "a claim's lock lives only as long as its lease: once it expires nothing keeps the "
-        "token",
+        "a claim's lock lives only as long as its lease: once it expires nothing keeps the token",
         script_edit=_sub(
             (r"(local px = ARGV\[2\]) \+ \d+\n", r"\1\n"),
             only="CLAIM",
