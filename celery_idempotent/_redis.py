@@ -6,12 +6,9 @@ are written so that a call retried by the client after a lost reply (redis-py re
 connection errors) decides the same as the first: a claim by the token that already holds the
 lock succeeds again, and a commit that already happened reports success.
 
-Key layout for an idempotency key ``k`` and prefix ``p`` (``{...}`` is the Redis Cluster hash
-tag, so all three live in one slot)::
-
-    p lock:{k}          string: the holder's token ("<random>@<owner_id>"), PX = lease
-    p lock:{k}:fence    string: the last fencing token handed out, PX = fence_ttl
-    p {k}               hash: the committed record (see RECORD_FIELDS), PX = record ttl
+The names and formats they read and write (the lock with its lease's deadline, the record
+string, the fence key, the tombstone a lease leaves) are those of ``celery_idempotent.keyspace``,
+whose docstring says why fencing tokens increase and within which bound.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ __all__ = [
     "DROP_QUEUED",
     "EXTEND",
     "FORGET",
+    "HOLDER",
     "PUBLISH",
     "PUBLISH_AND_PUSH",
     "READ_KEY",
@@ -67,19 +65,30 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 # The scripts of layout v2 (see celery_idempotent.keyspace for the names, the record format and
 # why fencing tokens increase without a long-lived fence key). Lua numbers are doubles: a token
 # in µs since 1970 (about 1.8e15) is exact below 2**53.
+#
+# A lock's value is "<deadline ms>/<fencing token>/<token>" (keyspace.lock_entry): the lease is
+# valid while the server clock is before the deadline; after it, until the key expires, the value
+# is a tombstone that keeps the fencing token (keyspace.FENCE_MARGIN_MS). A lock without a
+# deadline (0.1.0's "<token>", or "<fencing token>/<token>" from before the tombstones) is held
+# while its key exists: its first field, if any, reads as a deadline far in the future.
 
-# Sets now to the server's time in µs. TIME makes a script non-deterministic, which effects
+_SEP = keyspace.LOCK_SEP
+_MARGIN = str(int(keyspace.FENCE_MARGIN_MS))
+
+# Sets now (µs) and ms to the server's time. TIME makes a script non-deterministic, which effects
 # replication (Redis's default since 5.0) handles: the writes are replicated, not the script.
-_NOW = """
+_TIME = """
 local t = redis.call('time')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+ms = math.floor(now / 1000)
 """
 
 
 # Keeps fencing token f (a string) in fence key fk while the server clock is not past it (op
 # ">="; a claim, whose lock carries the token past the clock, uses ">"): the key expires when
-# the clock passes the token. (Needs now.) ">=" covers the same microsecond: a release and the
-# next claim can read the same TIME.
+# the clock passes the token. (Needs now.) The lock's tombstone keeps the token longer (until
+# the clock has passed it by the margin); the fence key also floors tokens if the lock is
+# deleted by hand while the clock is behind.
 def _keep(fk: str, f: str, op: str = ">=") -> str:
     return f"""
 if tonumber({f}) {op} now then
@@ -89,42 +98,74 @@ end
 """
 
 
-# Hands out the next fencing token for lock KEYS[1] and takes the lock for token ARGV[1] with a
-# lease of ARGV[2] ms; fv is the fence key fk's value (false when absent). Sets fs (the token,
-# a string).
-_TAKE = (
-    _NOW
-    + """
-local f = math.max(now, tonumber(fv or '0') + 1)
-local fs = string.format('%d', f)
-redis.call('set', KEYS[1], fs .. '{sep}' .. ARGV[1], 'PX', ARGV[2])
-"""
-)
+# The lock's key lives until the later of its deadline and the clock reaching its token (f, a
+# number), plus the margin: so a token is never forgotten before the clock has passed it by the
+# margin. px: the lease in ms (a number; 0 for a tombstone).
+def _lock_px(f: str, px: str) -> str:
+    return f"math.max({px}, math.floor({f} / 1000) - ms) + {_MARGIN}"
 
-# A held lock's value is "<fencing token>/<token>": returns the fencing token already handed to
-# this very token (a resent claim), or 0 for a lock held by another.
-_HELD = """
-if held then
+
+# Reads lock value `held` (needs now): returns from the script what `ours` / `theirs` say when
+# the lease is valid (held by this very token ARGV[1], whose fencing token is `mine`; by
+# another); otherwise sets last to the tombstone's fencing token.
+def _held(ours: str, theirs: str) -> str:
+    return (
+        """
+local a = string.find(held, '{sep}', 1, true)
+local d = a and tonumber(string.sub(held, 1, a - 1))
+if not d or d * 1000 > now then
   local n = #held - #ARGV[1]
-  if n > 1 and string.sub(held, n) == '{sep}' .. ARGV[1] then
+  if a and n > a and string.sub(held, n) == '{sep}' .. ARGV[1] then
+    local mine = string.sub(held, a + 1, n - 1)
     return {ours}
   end
   return {theirs}
 end
-"""
-
-
-def _held(ours: str, theirs: str) -> str:
-    return (
-        _HELD.replace("{sep}", keyspace.LOCK_SEP)
+local b = string.find(held, '{sep}', a + 1, true)
+last = tonumber(b and string.sub(held, a + 1, b - 1) or '') or 0
+""".replace("{sep}", _SEP)
         .replace("{ours}", ours)
         .replace("{theirs}", theirs)
     )
 
 
+# Hands out the next fencing token for lock KEYS[1] (floored by the server clock, fence key
+# value fv and a tombstone's token last) and takes the lock for token ARGV[1] with a lease of
+# ARGV[2] ms. Sets fs (the token, a string). (Needs now, ms, fv, last.)
 def _take(fk: str) -> str:
-    return _TAKE.replace("{sep}", keyspace.LOCK_SEP) + _keep(fk, "fs", ">")
+    return (
+        """
+local f = math.max(now, tonumber(fv or '0') + 1, last + 1)
+local fs = string.format('%d', f)
+redis.call('set', KEYS[1], string.format('%d', ms + ARGV[2]) .. '{sep}' .. fs .. '{sep}' .. ARGV[1],
+           'PX', {px})
+""".replace("{sep}", _SEP).replace("{px}", _lock_px("f", "tonumber(ARGV[2])"))
+        + _keep(fk, "fs", ">")
+    )
 
+
+# Sets live: whether lock value v (a string or false) is the valid lease of lease token ARGV[1].
+# (Needs now.)
+_LIVE = """
+local live = false
+if v then
+  if v == ARGV[1] then
+    live = true
+  else
+    local n = #v - #ARGV[1]
+    if n > 1 and string.sub(v, n) == '{sep}' .. ARGV[1] then
+      live = (tonumber(string.sub(v, 1, n - 1)) or 0) * 1000 > now
+    end
+  end
+end
+""".replace("{sep}", _SEP)
+
+# Turns lock KEYS[1] of lease token ARGV[1] and fencing token f (a number) into a tombstone: the
+# lease ends now, for good (its deadline is 0: a server clock that steps back does not revive
+# it), and the token stays. (Needs now, ms.)
+_TOMBSTONE = """
+redis.call('set', KEYS[1], '0{sep}' .. ARGV[1], 'PX', {px})
+""".replace("{sep}", _SEP).replace("{px}", _lock_px("f", "0"))
 
 # KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms
 # -> fencing token (a string) when taken (or already held by this very token), 0 when held
@@ -132,8 +173,12 @@ ACQUIRE = (
     """
 local got = redis.call('mget', KEYS[1], KEYS[2])
 local held, fv = got[1], got[2]
+local now, ms, last = 0, 0, 0
 """
-    + _held("string.sub(held, 1, n - 1)", "0")
+    + _TIME
+    + "if held then\n"
+    + _held("mine", "0")
+    + "end\n"
     + _take("KEYS[2]")
     + """
 return fs
@@ -151,13 +196,18 @@ return fs
 # A queued marker (a call published but not run yet) is not a record: the lock is taken over
 # it, and the marker stays until the commit replaces it.
 # A key of another type (a list, ...) under the record name fails with WRONGTYPE.
+# The server clock is read only when there is a lock to judge or one to take.
 CLAIM = (
     """
 local got = redis.call('mget', KEYS[1], KEYS[2], KEYS[3])
 local held, rec, fv = got[1], got[2], got[3]
+local now, ms, last = false, 0, 0
+if held then
 """
-    + _held("{1, string.sub(held, 1, n - 1)}", "{0}")
+    + _TIME
+    + _held("{1, mine}", "{0}")
     + """
+end
 if rec then
   if string.sub(rec, 1, """
     + str(len(keyspace.RECORD_HEAD))
@@ -175,7 +225,10 @@ elseif redis.call('exists', KEYS[2]) == 1 then
     + """)
   if v1[1] then return {3, unpack(v1)} end
 end
+if not now then
 """
+    + _TIME
+    + "end\n"
     + _take("KEYS[3]")
     + """
 return {1, fs}
@@ -192,6 +245,7 @@ return {1, fs}
 # -> {6, task id}         queued or running (the marker names the first call): publish nothing
 # -> {7}                  running without a marker, or a foreign value: publish as without
 #                         the check (the run-time guard decides)
+# A lock whose lease has ended (a tombstone) is not running.
 PUBLISH = (
     """
 local got = redis.call('mget', KEYS[1], KEYS[2])
@@ -219,7 +273,15 @@ elseif redis.call('exists', KEYS[1]) == 1 then
   if type(v1) == 'table' and v1[1] then return {3, unpack(v1)} end
   return {7}
 end
-if held then return {7} end
+if held then
+  local a = string.find(held, '"""
+    + _SEP
+    + """', 1, true)
+  local d = a and tonumber(string.sub(held, 1, a - 1))
+  if not d then return {7} end
+  local t = redis.call('time')
+  if d * 1000 > tonumber(t[1]) * 1000000 + tonumber(t[2]) then return {7} end
+end
 redis.call('set', KEYS[1], '"""
     + keyspace.QUEUED_HEAD
     + """' .. ARGV[1] .. '"""
@@ -265,9 +327,19 @@ return 0
 # ARGV[1] the lease's token  ARGV[2] record ttl ms  ARGV[3] the record  ARGV[4] fencing token
 # -> 1 committed and released; 0 not the holder (nothing written).
 # A resent commit that already went through finds its own record (same fencing token): 1.
+# The record carries the token from then on (and the fence key while the server clock is behind
+# the token: it stepped back during the lease).
 COMMIT = (
     """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then
+local v = redis.call('get', KEYS[1])
+local now, ms = 0, 0
+if v then
+"""
+    + _TIME
+    + "end\n"
+    + _LIVE
+    + """
+if not live then
   local rec = redis.pcall('get', KEYS[2])
   local head = '"""
     + keyspace.RECORD_HEAD
@@ -280,7 +352,6 @@ end
 redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[2])
 redis.call('del', KEYS[1])
 """
-    + _NOW
     + _keep("KEYS[3]", "ARGV[4]")
     + """
 return 1
@@ -288,13 +359,24 @@ return 1
 )
 
 # KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms  ARGV[3] fencing token
-# -> 1 extended, 0 not the holder (nothing changed)
+# -> 1 extended, 0 not the holder or the lease has ended (nothing changed)
 EXTEND = (
     """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('pexpire', KEYS[1], ARGV[2])
+local v = redis.call('get', KEYS[1])
+if not v then return 0 end
+local now, ms = 0, 0
 """
-    + _NOW
+    + _TIME
+    + _LIVE
+    + """
+if not live then return 0 end
+local f = tonumber(ARGV[3])
+redis.call('set', KEYS[1], string.format('%d', ms + ARGV[2]) .. '"""
+    + _SEP
+    + """' .. ARGV[1], 'PX', """
+    + _lock_px("f", "tonumber(ARGV[2])")
+    + """)
+"""
     + _keep("KEYS[2]", "ARGV[3]")
     + """
 return 1
@@ -302,23 +384,57 @@ return 1
 )
 
 # KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] fencing token
-# -> 1 released, 0 not the holder (nothing changed)
+# ARGV[3] "1": a lease under which nothing ran (a claim given back at once): delete the lock
+# -> 1 released, 0 not the holder or the lease has ended (nothing changed)
+# The lock becomes a tombstone that keeps the fencing token.
 RELEASE = (
     """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('del', KEYS[1])
+local v = redis.call('get', KEYS[1])
+if not v then return 0 end
+local now, ms = 0, 0
 """
-    + _NOW
+    + _TIME
+    + _LIVE
+    + """
+if not live then return 0 end
+if ARGV[3] == '1' then
+  redis.call('del', KEYS[1])
+  return 1
+end
+local f = tonumber(ARGV[2])
+"""
+    + _TOMBSTONE
     + _keep("KEYS[2]", "ARGV[2]")
     + """
 return 1
 """
 )
 
+# KEYS[1] lock   -> the lease token of the lock's valid lease, or false (free, or a tombstone)
+HOLDER = (
+    """
+local v = redis.call('get', KEYS[1])
+if not v then return false end
+local a = string.find(v, '"""
+    + _SEP
+    + """', 1, true)
+local d = a and tonumber(string.sub(v, 1, a - 1))
+if not d then return v end
+local t = redis.call('time')
+if d * 1000 <= tonumber(t[1]) * 1000000 + tonumber(t[2]) then return false end
+local b = string.find(v, '"""
+    + _SEP
+    + """', a + 1, true)
+if b and tonumber(string.sub(v, a + 1, b - 1)) then return string.sub(v, a + 1) end
+return v
+"""
+)
+
 # KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV[1] "1": the whole payload, else its head
 # One consistent view of a key for the admin command (absent values are nil):
-# -> {record type, record (string, or v1 fields), record size, record pttl, lock value,
-#     lock pttl, fence, fence pttl}
+# -> {record type, record (string, or v1 fields), record size, record pttl, lock's lease token,
+#     lease ms left, fence, fence pttl}
+# A lock whose lease has ended (a tombstone) reads as no lock.
 READ_KEY = (
     """
 local kind = redis.call('type', KEYS[1])['ok']
@@ -334,29 +450,48 @@ elseif kind == 'hash' then
   size = redis.call('hstrlen', KEYS[1], 'data')
   if ARGV[1] ~= '1' then rec[4] = '' end
 end
-return {kind, rec, size, redis.call('pttl', KEYS[1]), redis.call('get', KEYS[2]),
-        redis.call('pttl', KEYS[2]), redis.call('get', KEYS[3]), redis.call('pttl', KEYS[3])}
+local lv, lt = redis.call('get', KEYS[2]), redis.call('pttl', KEYS[2])
+if lv then
+  local a = string.find(lv, '"""
+    + _SEP
+    + """', 1, true)
+  local d = a and tonumber(string.sub(lv, 1, a - 1))
+  local b = d and string.find(lv, '"""
+    + _SEP
+    + """', a + 1, true)
+  if b and tonumber(string.sub(lv, a + 1, b - 1)) then
+    local t = redis.call('time')
+    local left = d - math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000)
+    if left > 0 then lv, lt = string.sub(lv, a + 1), left else lv, lt = false, -2 end
+  end
+end
+return {kind, rec, size, redis.call('pttl', KEYS[1]), lv, lt,
+        redis.call('get', KEYS[3]), redis.call('pttl', KEYS[3])}
 """
 )
 
 # KEYS[1] fence   -> 1 deleted, 0 kept (absent, or the server clock is not past its token)
-DROP_FENCE = (
-    _NOW
-    + """
+DROP_FENCE = """
+local t = redis.call('time')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local f = tonumber(redis.call('get', KEYS[1]) or '0')
 if f > 0 and f < now then return redis.call('del', KEYS[1]) end
 return 0
 """
-)
 
-# KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV[1] the lock value read ('' for none)
-# ARGV[2] "1": also a held lock  ARGV[3] "1": also the fence key
-# Forget a key (the admin command): the record; the lock only if it still holds the value
-# that was shown; the fence key only once the server clock has passed it. A fencing token
-# the record or lock carried that is ahead of the clock goes to the fence key.
+# KEYS[1] record  KEYS[2] lock  KEYS[3] fence   ARGV[1] the lock's lease token as read ('' for
+# none)  ARGV[2] "1": also a held lock  ARGV[3] "1": also the fence key
+# Forget a key (the admin command): the record; the lock only if it still holds the lease that
+# was shown; the fence key only once the server clock has passed it. The highest fencing token
+# the record or the lock carried stays in the lock as a tombstone (until the clock has passed
+# it by the margin; a lock held by someone else is left alone), and in the fence key while it
+# is ahead of the clock.
 # -> {record deleted, lock deleted, fence deleted}
 FORGET = (
-    _NOW
+    """
+local now, ms = 0, 0
+"""
+    + _TIME
     + """
 local out = {0, 0, 0}
 local last = 0
@@ -376,16 +511,33 @@ if type(rec) == 'string' and string.sub(rec, 1, """
     + """, e - 1)) or 0
 end
 out[1] = redis.call('del', KEYS[1])
-if ARGV[2] == '1' and ARGV[1] ~= '' and redis.call('get', KEYS[2]) == ARGV[1] then
+local lv = redis.call('get', KEYS[2])
+if ARGV[2] == '1' and ARGV[1] ~= '' and lv and (lv == ARGV[1]
+    or string.sub(lv, -#ARGV[1] - 1) == '"""
+    + _SEP
+    + """' .. ARGV[1]) then
   local cut = string.find(ARGV[1], '"""
-    + keyspace.LOCK_SEP
+    + _SEP
     + """', 1, true)
   if cut then last = math.max(last, tonumber(string.sub(ARGV[1], 1, cut - 1)) or 0) end
   out[2] = redis.call('del', KEYS[2])
+  lv = false
 end
-local f = tonumber(redis.call('get', KEYS[3]) or '0')
-if ARGV[3] == '1' and f > 0 and f <= now then out[3] = redis.call('del', KEYS[3]) end
-if last > f then
+if last > 0 and not lv and last + """
+    + _MARGIN
+    + """ * 1000 > now then
+  local f = last
+  redis.call('set', KEYS[2], '0"""
+    + _SEP
+    + """' .. string.format('%d', last) .. '"""
+    + _SEP
+    + """', 'PX', """
+    + _lock_px("f", "0")
+    + """)
+end
+local fv = tonumber(redis.call('get', KEYS[3]) or '0')
+if ARGV[3] == '1' and fv > 0 and fv <= now then out[3] = redis.call('del', KEYS[3]) end
+if last > fv then
   local ls = string.format('%d', last)
 """
     + _keep("KEYS[3]", "ls")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from celery_idempotent import _renewal
+from celery_idempotent import renewal
 from celery_idempotent.backoff import ExponentialJitterBackoff, Sleep
 from celery_idempotent.exceptions import (
     CommitUnknownError,
@@ -49,13 +49,13 @@ def commit_lease(
     ttl: float,
     lock_ttl: float,
     sleep: Sleep,
-    renewal: _renewal.Renewal | None,
+    kept: renewal.Renewal | None,
     lost: Callable[[], None],
 ) -> None:
     """Store ``record`` under ``rkey`` for ``ttl`` seconds and release the lock, while
     ``lease`` still holds it; returns once stored. Otherwise ``lost()`` is called and
     :class:`LockLostError` or :class:`CommitUnknownError` raised (``result``: the body's).
-    ``renewal`` is the lease's keeping, whose loss may have been logged already."""
+    ``kept`` is the lease's renewal, whose loss the keeper may have logged already."""
     waited, resends = 0.0, 0
     unknown: CommitUnknownError | None = None
     while True:
@@ -98,7 +98,7 @@ def commit_lease(
     if ok:
         return
     cause = "the commit found the lock no longer held by this lease (ran out or taken)"
-    if renewal is None or _renewal.claim_report(renewal):
+    if kept is None or renewal.claim_report(kept):
         log.warning(
             "celery-idempotent: lease of key #%s (fencing token %s) lost: %s; its result "
             "is not committed",

@@ -27,8 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from celery_idempotent import _renewal
-from celery_idempotent._validate import check_count, check_delay, check_duration
+from celery_idempotent import renewal
 from celery_idempotent.backoff import ExponentialJitterBackoff, Sleep, event_sleep
 from celery_idempotent.commit import commit_lease
 from celery_idempotent.exceptions import (
@@ -52,6 +51,7 @@ from celery_idempotent.protocols import (
     check_implements,
 )
 from celery_idempotent.two_step import TwoStepBackend, backend_call, release_quietly
+from celery_idempotent.validate import check_count, check_delay, check_duration
 
 __all__ = [
     "ABSENT",
@@ -237,7 +237,7 @@ class DistributedIdempotencyGuard:
 
         committed = False
         try:
-            value, renewal = self._run_body(key, fn, lease, started)
+            value, kept = self._run_body(key, fn, lease, started)
             # Whole µs: the Redis store writes those compactly (see keyspace).
             stamp = round(self.clock(), 6)
             new = IdempotencyRecord(value, fingerprint, stamp, lease.fencing_token, task_id)
@@ -250,7 +250,7 @@ class DistributedIdempotencyGuard:
                 ttl=self.ttl,
                 lock_ttl=self.lock_ttl,
                 sleep=self._sleep,
-                renewal=renewal,
+                kept=kept,
                 lost=lambda: self._emit("lease_lost", key, 0, started, lease.fencing_token),
             )
             committed = True  # the commit released the lock
@@ -332,8 +332,8 @@ class DistributedIdempotencyGuard:
 
     def _run_body(
         self, key: str, fn: Callable[[], T], lease: Lease, started: float
-    ) -> tuple[T, _renewal.Renewal]:
-        renewal = _renewal.keep(
+    ) -> tuple[T, renewal.Renewal]:
+        kept = renewal.keep(
             self.lock_provider,
             lease,
             self.lock_ttl,
@@ -344,13 +344,13 @@ class DistributedIdempotencyGuard:
             with running_under(lease):
                 value = fn()
         finally:
-            _renewal.stop(renewal)
-        if renewal.lost:  # the keeper has logged it, with its cause
+            renewal.stop(kept)
+        if kept.lost:  # the keeper has logged it, with its cause
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
             raise LockLostError(
-                key, value, f"lease lost while the body ran: {renewal.cause}; not committed"
-            ) from renewal.error
-        return value, renewal
+                key, value, f"lease lost while the body ran: {kept.cause}; not committed"
+            ) from kept.error
+        return value, kept
 
     def _emit(
         self, kind: str, key: str, attempt: int, started: float, fencing: int | None = None

@@ -19,7 +19,8 @@ For an idempotency key ``k`` and prefix ``p`` (``{...}`` is the Redis Cluster ha
 of a key's names live in one slot; ``k`` appears as :func:`slot_key` spells it)::
 
     p{k}              the record: a string (v2) or a hash (v1), PX = the record's TTL
-    p lock:{k}        the lease: "<fencing token>/<random>@<owner id>", PX = the lease
+    p lock:{k}        the lease: "<deadline ms>/<fencing token>/<random>@<owner id>"; after
+                      its deadline a tombstone that keeps the token (see below)
     p lock:{k}:fence  the last fencing token, only while the server clock is behind it
 
 After a commit a key has **one** Redis key, the record: the commit writes it and deletes the
@@ -55,31 +56,43 @@ lock held by someone else; a v1 fence key floors the next token like a v2 one.
 
 Fencing tokens without a long-lived fence key
 ---------------------------------------------
-A token is ``max(server time in µs, the fence key's value + 1)``. Tokens strictly increase
-across the holders of a key because every token is either at or below the server clock, or
-recorded in the fence key until the clock has passed it:
+A token is server time in µs, floored by the last token the key's keys still carry:
+``max(server µs, lock's token + 1, fence key + 1)`` (a claim that finds a record takes no
+token). A lock's value is ``<deadline>/<fencing token>/<token>``: the lease is valid while
+the server clock (``TIME``, in ms) is before the deadline; the key itself lives
+:data:`FENCE_MARGIN_MS` (``M``, 60 s) longer, and at least until the clock is ``M`` past the
+token. A lease that ends without a commit (released, or past its deadline) therefore leaves
+its lock as a **tombstone** carrying its token (a release writes deadline ``0``: a clock that
+steps back never revives it; a lease that merely ran out is valid again if the clock steps
+back before its deadline and nobody took the key meanwhile, as an expired Redis key that was
+not yet deleted always was). A commit writes the record, which carries the token for the
+record's TTL, and deletes the lock, so a completed key is one Redis key.
 
-- A token is carried by the lock while its lease runs and by the record after the commit.
-  Redis expires both at an absolute server time (``PX`` is stored as a deadline), set after
-  the token was handed out: when either disappears by expiry, the server clock is past the
-  token, so the next token, floored by the clock, is greater. This also holds across a clock
-  step backwards: a deadline in absolute time only moves further away.
-- A script that drops the last key carrying a token before its deadline (a release, the
-  commit's delete of the lock), or moves a deadline while the clock may be behind the token (a
-  renewal, a commit), first compares the token with the server clock. When the clock is behind
-  it (a step backwards since the token was handed out) the token goes to the fence key, which
-  expires when the clock reaches the token (``PEXPIREAT``): then the clock floors again.
-- The fence key therefore exists only while the server clock is behind a token it has handed
-  out, which does not happen without a clock step backwards. A claim reads it on every first
-  execution (one ``GET``), so a v1 fence key left by 0.1.0 keeps tokens increasing across the
-  upgrade too.
+What holds: a key that carries a token ``T`` disappears only by expiry, and only once the
+server clock reads at least ``T + M`` (the lock: released, expired, or its key's own TTL
+pushed past the token by a claim or renewal made while the clock was behind it) or
+``max(T, commit time + the record's TTL)`` (the record after a commit; the fence key keeps
+``T`` until the clock passes it when the clock was behind ``T`` at the commit). So **the next
+token is above every earlier one across lease expiry, release, record expiry and any server
+clock step backwards, except a step back, after the last such key has expired, of more than
+``M`` (a lease that ended without commit) or more than the record's TTL (``T + ttl − now`` at
+the commit, if the clock was then behind ``T``)**. A step back while a key still carries the
+token is harmless whatever its size: expiry deadlines are absolute server times, which only
+move further away.
+
+The fence key is written, as before, while the server clock is behind a token it hands out
+or sees released (a step back since the claim); the lock's tombstone covers that case too,
+the fence key also covers a lock deleted by hand. A claim reads it on every first execution
+(part of the one ``MGET``), so a v1 fence key left by 0.1.0 keeps tokens increasing across the
+upgrade too. A lock without a deadline (0.1.0's ``<random>@<owner id>``, or a lock written
+before the tombstones, ``<fencing token>/<token>``) is held while its key exists.
 
 What this does not cover: a failover to a replica whose clock is behind the old master's and
-that did not receive the fence key (the same as for any write the replica did not receive),
-deleting a fence key by hand while the clock is behind it, and a clock step backwards *after*
-the last key carrying a token went away while the clock was past it (a release, a lease or
-record that expired): nothing remembers that token then, and the next one, floored by the
-clock alone, is lower (found by the deterministic simulation, ``tests/sim``).
+that did not receive the keys (the same as for any write the replica did not receive);
+deleting keys by hand (``DEL``, the store's ``delete``, ``forget --task --force``; the admin
+``forget`` of one key keeps the token in a tombstone); a restart that loses data; and the step
+back beyond the bound above (``tests/sim/test_fence_bound.py`` pins both sides of it, and the
+simulation's checker asserts every expiry against it).
 """
 
 from __future__ import annotations
@@ -89,6 +102,7 @@ import math
 from typing import NamedTuple
 
 __all__ = [
+    "FENCE_MARGIN_MS",
     "KINDS",
     "KIND_MARKERS",
     "LOCK_SEP",
@@ -98,12 +112,15 @@ __all__ = [
     "SHORTENED_MARK",
     "V1_RECORD_FIELDS",
     "DecodedRecord",
+    "LockState",
     "can_mark",
     "decode_record",
     "encode_record",
     "fence_name",
+    "lock_entry",
     "lock_name",
     "lock_value",
+    "parse_lock",
     "parse_lock_value",
     "parse_name",
     "parse_queued",
@@ -253,23 +270,69 @@ def parse_name(name: str, prefix: str) -> tuple[str, str] | None:
 
 # --------------------------------------------------------------------------- the lock
 
-#: Between the fencing token and the acquisition's own token in a lock's value.
+#: Between the fields of a lock's value: the lease's deadline, its fencing token, its token.
 LOCK_SEP = "/"
+#: How long a lock keeps the fencing token of a lease that ended without a commit (released,
+#: or past its deadline), counted from the later of the lease's end and the server clock
+#: passing the token: a server clock that steps back less than this after that still floors
+#: the next token above it (see "Fencing tokens" above). In ms.
+FENCE_MARGIN_MS = 60_000
 
 
 def lock_value(fencing_token: int | str, token: str) -> str:
-    """What a held lock stores: ``<fencing token>/<token>`` (the lease's full token)."""
+    """A lease's full token: ``<fencing token>/<token>`` (what :class:`Lease` carries; the
+    lock stores it behind the lease's deadline, see :func:`lock_entry`)."""
     return f"{fencing_token}{LOCK_SEP}{token}"
 
 
-def parse_lock_value(value: str) -> tuple[int | None, str]:
-    """``(fencing token, owner id)`` of a lock's value; a v1 lock has no fencing token."""
+def lock_entry(deadline_ms: int, lease_token: str) -> str:
+    """What a lock stores: ``<deadline in server ms>/<lease token>``. The lease is valid while
+    the server clock is before the deadline; after it the value is a tombstone that keeps the
+    fencing token until the key expires."""
+    return f"{int(deadline_ms)}{LOCK_SEP}{lease_token}"
+
+
+class LockState(NamedTuple):
+    """A lock's value, parsed. ``deadline_ms`` is ``None`` for a lock without one (0.1.0's
+    ``<token>``, or ``<fencing token>/<token>`` written before issue 13's fix): such a lock is
+    held while its key exists."""
+
+    deadline_ms: int | None
+    fencing_token: int | None
+    lease_token: str
+    owner: str
+
+    def held(self, now_ms: float) -> bool:
+        """Whether the lease is valid at server time ``now_ms`` (a tombstone is not)."""
+        return self.deadline_ms is None or self.deadline_ms > now_ms
+
+
+def parse_lock(value: str) -> LockState:
+    """The fields of a lock's value, in any of its three spellings (see :class:`LockState`)."""
+    deadline: int | None = None
     fence: int | None = None
+    lease = value
     head, sep, rest = value.partition(LOCK_SEP)
     if sep and head.isdigit():
-        fence, value = int(head), rest
-    owner = value.split("@", 1)[1] if "@" in value else value
-    return fence, owner
+        second, sep2, tail = rest.partition(LOCK_SEP)
+        if sep2 and second.isdigit():
+            deadline, fence = int(head), int(second)
+            lease = rest
+            rest = tail
+        else:
+            fence = int(head)
+        token = rest
+    else:
+        token = value
+    owner = token.split("@", 1)[1] if "@" in token else token
+    return LockState(deadline, fence, lease, owner)
+
+
+def parse_lock_value(value: str) -> tuple[int | None, str]:
+    """``(fencing token, owner id)`` of a lock's value (or of a lease token); a v1 lock has no
+    fencing token."""
+    state = parse_lock(value)
+    return state.fencing_token, state.owner
 
 
 # --------------------------------------------------------------------------- the record

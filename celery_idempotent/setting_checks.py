@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_idempotent import keyspace
-from celery_idempotent._validate import check_duration
 from celery_idempotent.urls import redact
+from celery_idempotent.validate import check_duration
 
 __all__ = [
     "MISSING_KEY_POLICIES",

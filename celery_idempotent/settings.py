@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_idempotent._validate import check_count, check_delay, check_duration
 from celery_idempotent.setting_checks import (
     DUPLICATE_PUBLISH_POLICIES,
     MISSING_KEY_POLICIES,
@@ -40,12 +39,14 @@ from celery_idempotent.setting_checks import (
     one_of,
 )
 from celery_idempotent.urls import redact
+from celery_idempotent.validate import check_count, check_delay, check_duration
 
 __all__ = [
     "DEFAULTS",
     "DUPLICATE_PUBLISH_POLICIES",
     "ON_LOCKED_POLICIES",
     "IdempotencySettings",
+    "check_setting",
     "clear_cache",
     "make_client_from",
     "never_stored",
@@ -213,7 +214,7 @@ def resolve(app: Any, task: Any) -> IdempotencySettings:
                 value = default
         else:
             from_task.add(setting)
-        values[setting] = _validate(setting, value, task_name=name)
+        values[setting] = check_setting(setting, value, task_name=name)
     _pick_backend(values, from_task, task_name=name)
     _check_fingerprint_names(task, values["idempotency_fingerprint"], task_name=name)
     if (
@@ -301,7 +302,7 @@ def declared_by_task(task: Any, setting: str) -> bool:
     return _task_option(task, setting) is not _MISSING
 
 
-def _validate(setting: str, value: Any, *, task_name: str) -> Any:
+def check_setting(setting: str, value: Any, *, task_name: str) -> Any:
     check: Check | None = _FIELDS[setting].metadata.get("check")
     if check is None:  # pragma: no cover - a field declared without setting()
         raise TypeError(f"{setting} is declared without setting(default, check) in settings.py")

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
 
-from celery_idempotent import _green
-from celery_idempotent._health import eviction_policy, eviction_warning
+from celery_idempotent import green
 from celery_idempotent._redis import SentinelClientFactory, import_redis
 from celery_idempotent.factory import backend_label
+from celery_idempotent.health import eviction_policy, eviction_warning
 from celery_idempotent.settings import IdempotencySettings, declared_by_task, resolve
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def check_app_at_worker_start(app: Any) -> list[str]:
 def check_pool(app: Any, tasks: list[Resolved]) -> list[str]:
     """Under gevent or eventlet: what a body that does not yield risks, and which lease to
     choose."""
-    runtime = _green.runtime()
+    runtime = green.runtime()
     if runtime is None or not tasks:
         return []
     shortest = min(tasks, key=lambda t: t[2].idempotency_lock_ttl)
@@ -133,9 +133,9 @@ def _renews_natively(cfg: IdempotencySettings) -> bool:
         return cfg.in_memory is False and cfg.backend_url.startswith(("redis://", "unix://"))
     if not callable(getattr(source, "register_script", None)):
         return False  # a factory: its client is made in each worker process
-    from celery_idempotent import _native_redis  # noqa: PLC0415
+    from celery_idempotent import native_redis  # noqa: PLC0415
 
-    return _native_redis.native_caller_for(source, _green.natives()) is not None
+    return native_redis.native_caller_for(source, green.natives()) is not None
 
 
 def check_eviction(app: Any, tasks: list[Resolved]) -> list[str]:

@@ -41,10 +41,11 @@ from __future__ import annotations
 import click
 
 from celery_idempotent.admin import KeyInfo, format_duration, read_key
-from celery_idempotent.cli.common import parse_redis_name, task_of_slot
 from celery_idempotent.cli.forget import forget
 from celery_idempotent.cli.inspect_key import inspect
 from celery_idempotent.cli.stats import stats
+from celery_idempotent.keyspace import parse_name as parse_redis_name
+from celery_idempotent.keyspace import task_of_slot
 
 __all__ = [
     "KeyInfo",

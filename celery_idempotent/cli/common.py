@@ -1,5 +1,5 @@
-"""What the ``idempotency`` commands share: where the keys are (:class:`Target`), the options
-(one :class:`KeySelection` for the ways to name a key), the output and the error messages."""
+"""What the ``idempotency`` commands share: where the keys are (:class:`Target`), the output and
+the error messages. The options are :mod:`celery_idempotent.cli.options`'s."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from celery_idempotent import _redis, keyspace
-from celery_idempotent.exceptions import IdempotencyError, IdempotencyKeyMissingError
-from celery_idempotent.keyspace import task_key
+from celery_idempotent import _redis
+from celery_idempotent.exceptions import IdempotencyError
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 from celery_idempotent.urls import redact
 
@@ -25,20 +24,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BATCH",
     "SAMPLE",
-    "KeySelection",
     "Target",
-    "batch_size_option",
-    "common_options",
     "connect",
     "emit_json",
     "iso",
-    "key_options",
-    "parse_redis_name",
     "print_pairs",
+    "print_result",
     "print_table",
     "progress",
     "redis_errors",
-    "task_of_slot",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,21 +40,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_BATCH = 1000
 #: How many names a dry run or a summary lists.
 SAMPLE = 10
-
-
-# --------------------------------------------------------------------------- names
-
-
-def parse_redis_name(name: str, prefix: str) -> tuple[str, str] | None:
-    """``(kind, slot)`` of a Redis name under ``prefix``, or ``None`` for a foreign name
-    (see ``celery_idempotent.keyspace.parse_name``)."""
-    return keyspace.parse_name(name, prefix)
-
-
-def task_of_slot(slot: str) -> str | None:
-    """The task name at the start of a slot, or ``None``
-    (see ``celery_idempotent.keyspace.task_of_slot``)."""
-    return keyspace.task_of_slot(slot)
 
 
 # --------------------------------------------------------------------------- settings
@@ -239,6 +218,15 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         click.echo("  ".join(parts).rstrip())
 
 
+def print_result(result: Any, error: str | None) -> None:
+    """A stored result after a blank line (JSON, indented), or on stderr why it is not shown."""
+    click.echo("")
+    if error is not None:
+        click.echo(f"result not shown: {error}", err=True)
+    else:
+        click.echo(json.dumps(result, indent=2, default=repr))
+
+
 def progress(target: Target, message: str) -> None:
     """A progress line on stderr (silenced by ``celery --quiet``)."""
     if not target.quiet:
@@ -250,162 +238,6 @@ def iso(at: float | None) -> str:
         return "-"
     moment = _dt.datetime.fromtimestamp(at, tz=_dt.timezone.utc)
     return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-# --------------------------------------------------------------------------- options
-
-
-def common_options(f: F) -> F:
-    """``--url``, ``--prefix`` and ``--json``: on every subcommand."""
-    f = click.option(
-        "--json", "as_json", is_flag=True, help="Print one JSON document (for scripts)."
-    )(f)
-    f = click.option(
-        "--prefix",
-        metavar="PREFIX",
-        help="Key prefix instead of the idempotency_key_prefix setting.",
-    )(f)
-    return click.option(
-        "--url",
-        metavar="URL",
-        help="Redis URL instead of the idempotency_url setting (or the Redis broker_url).",
-    )(f)
-
-
-def _json_arg(value: str | None, option: str, kind: type[Any]) -> Any:
-    if value is None:
-        return kind()
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from exc
-    if not isinstance(parsed, kind):
-        raise click.BadParameter(f"must be a JSON {kind.__name__}", param_hint=option)
-    return parsed
-
-
-def _args_key(
-    target: Target, task_name: str, args_json: str | None, kwargs_json: str | None
-) -> str:
-    """The key the registered task derives for a call with these arguments."""
-    task = target.task
-    if task is None or not callable(getattr(task, "idempotency_key_for", None)):
-        raise click.UsageError(
-            f"--args needs {task_name!r} to be a registered IdempotentTask of this app"
-        )
-    if target.settings.idempotency_key == "task_id":
-        raise click.UsageError(f"{task_name} is keyed by task id: use --task-id")
-    args = _json_arg(args_json, "--args", list)
-    kwargs = _json_arg(kwargs_json, "--kwargs", dict)
-    try:
-        return str(task.idempotency_key_for(tuple(args), kwargs))
-    except (TypeError, ValueError, IdempotencyKeyMissingError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--args/--kwargs") from exc
-
-
-@dataclass(frozen=True)
-class KeySelection:
-    """How a command was told which key: KEY (with ``--task``), ``--raw``, ``--task-id`` or
-    ``--args``/``--kwargs``. :func:`key_options` adds these to a command and hands it one."""
-
-    key: str | None = None
-    task_name: str | None = None
-    raw: bool = False
-    task_id: str | None = None
-    args_json: str | None = None
-    kwargs_json: str | None = None
-
-    @property
-    def names_a_key(self) -> bool:
-        """Whether one key is named (else ``forget`` takes every key of ``--task``)."""
-        named = (self.key, self.task_id, self.args_json, self.kwargs_json)
-        return self.raw or any(value is not None for value in named)
-
-    def resolve(self, target: Target) -> str:
-        """The namespaced key that KEY, ``--raw``, ``--task-id`` or ``--args`` names."""
-        key, task_name = self.key, self.task_name
-        by_args = self.args_json is not None or self.kwargs_json is not None
-        if [key is not None, self.task_id is not None, by_args].count(True) != 1:
-            raise click.UsageError("name one key: KEY, --task-id ID or --args JSON")
-        if self.raw:
-            if key is None:
-                raise click.UsageError("--raw needs KEY (the namespaced key or a Redis name)")
-            # A Redis name (record, lock or fence) carries the slot, and slot_key(slot) == slot:
-            # the slot reaches the same names, shortened keys included.
-            parsed = parse_redis_name(key, target.prefix)
-            return parsed[1] if parsed is not None else key
-        if task_name is None:
-            raise click.UsageError(
-                "--task NAME is needed: keys are namespaced by task name (or pass --raw with "
-                "the namespaced key)"
-            )
-        namespace = target.namespace(task_name)
-        if key is not None:
-            return task_key(namespace, "key", key)
-        if self.task_id is not None:
-            return task_key(namespace, "id", self.task_id)
-        return _args_key(target, task_name, self.args_json, self.kwargs_json)
-
-
-def batch_size_option(help: str) -> Callable[[F], F]:
-    """``--batch-size`` (names per SCAN or per pipelined batch), with ``help``."""
-    return click.option(
-        "--batch-size",
-        type=click.IntRange(1, 100_000),
-        default=DEFAULT_BATCH,
-        show_default=True,
-        help=help,
-    )
-
-
-def key_options(f: F) -> F:
-    """KEY, ``--task``, ``--raw``, ``--task-id``, ``--args`` and ``--kwargs``, handed to the
-    command as one ``selection`` (a :class:`KeySelection`)."""
-
-    @functools.wraps(f)
-    def collect(
-        *args: Any,
-        key: str | None = None,
-        task_name: str | None = None,
-        raw: bool = False,
-        task_id: str | None = None,
-        args_json: str | None = None,
-        kwargs_json: str | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        selection = KeySelection(key, task_name, raw, task_id, args_json, kwargs_json)
-        return f(*args, selection=selection, **kwargs)
-
-    g: Any = collect
-    g = click.option(
-        "--kwargs",
-        "kwargs_json",
-        metavar="JSON",
-        help="With --args: keyword arguments as a JSON object.",
-    )(g)
-    g = click.option(
-        "--args",
-        "args_json",
-        metavar="JSON",
-        help="The key a call with these arguments (a JSON array) uses; the task must be "
-        "registered in the app.",
-    )(g)
-    g = click.option(
-        "--task-id", metavar="ID", help='The key of an idempotency_key="task_id" task.'
-    )(g)
-    g = click.option(
-        "--raw",
-        is_flag=True,
-        help="KEY is a namespaced key (<task>:args:<sha>, <task>:id:<id>, <task>:key:<key>) "
-        "or a Redis name (<prefix>{...}).",
-    )(g)
-    g = click.option(
-        "--task",
-        "task_name",
-        metavar="NAME",
-        help="The task's name: keys are namespaced by it.",
-    )(g)
-    return click.argument("key", required=False)(g)  # type: ignore[no-any-return]
 
 
 def redis_errors(fn: F) -> F:

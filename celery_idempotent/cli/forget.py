@@ -8,15 +8,12 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent.admin import forget_key, forget_plan, held_lock_reason, read_key
-from celery_idempotent.cli.common import (
+from celery_idempotent.cli.common import Target, connect, emit_json, redis_errors
+from celery_idempotent.cli.options import (
     KeySelection,
-    Target,
     batch_size_option,
     common_options,
-    connect,
-    emit_json,
     key_options,
-    redis_errors,
 )
 from celery_idempotent.cli.scan import (
     Scan,

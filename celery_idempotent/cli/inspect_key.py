@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -12,16 +11,15 @@ from celery.bin.base import CeleryCommand
 from celery_idempotent import keyspace
 from celery_idempotent.admin import KeyInfo, format_duration, read_key
 from celery_idempotent.cli.common import (
-    KeySelection,
     Target,
-    common_options,
     connect,
     emit_json,
     iso,
-    key_options,
     print_pairs,
+    print_result,
     redis_errors,
 )
+from celery_idempotent.cli.options import KeySelection, common_options, key_options
 from celery_idempotent.exceptions import RecordDecodeError
 
 __all__ = ["inspect"]
@@ -140,8 +138,4 @@ def _print_key(
     rows += [("record name", info.record_name), ("lock name", info.lock_name)]
     print_pairs(rows)
     if show_result and rec is not None:
-        click.echo("")
-        if error is not None:
-            click.echo(f"result not shown: {error}", err=True)
-        else:
-            click.echo(json.dumps(result, indent=2, default=repr))
+        print_result(result, error)

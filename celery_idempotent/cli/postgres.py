@@ -129,7 +129,7 @@ def inspect(
         click.echo(json.dumps(doc, default=repr))
     else:
         from celery_idempotent.admin import format_duration  # noqa: PLC0415
-        from celery_idempotent.cli.common import print_pairs  # noqa: PLC0415
+        from celery_idempotent.cli.common import print_pairs, print_result  # noqa: PLC0415
 
         states = {
             "completed": "completed",
@@ -150,11 +150,7 @@ def inspect(
         pairs += [("row", row), ("table", backend.table)]
         print_pairs(pairs)
         if show_result and record is not None:
-            click.echo("")
-            if error is not None:
-                click.echo(f"result not shown: {error}", err=True)
-            else:
-                click.echo(json.dumps(result, indent=2, default=repr))
+            print_result(result, error)
     return 1 if error is not None else 0
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import click
 
 from celery_idempotent import _redis
-from celery_idempotent.cli.common import SAMPLE, Target, parse_redis_name, progress, task_of_slot
-from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK
+from celery_idempotent.cli.common import SAMPLE, Target, progress
+from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name, task_of_slot
 
 __all__ = [
     "Scan",
@@ -74,15 +74,17 @@ def scan_names(
     under the prefix, or of ``task``'s only: SCAN in batches (see :func:`_scan_pattern`),
     each name then checked exactly.
 
-    ``kind`` is ``"record"``, ``"lock"`` or ``"fence"``; the task is ``"(shortened)"`` for a
+    ``kind`` is ``"record"``, ``"lock"`` (a held one: the tombstone a lease leaves when it
+    ends is skipped, it expires by itself) or ``"fence"``; the task is ``"(shortened)"`` for a
     shortened key whose head ends before its kind marker, ``"(no task)"`` for a key that is
     not task-namespaced (a guard used directly).
     """
     tagged = None if task is None else tagged_task(task)
     pattern = _scan_pattern(target.prefix, task)
+    holder = target.client.register_script(_redis.HOLDER)
     for raw in target.client.scan_iter(match=pattern, count=batch_size):
         scan.scanned += 1
-        parsed = parse_redis_name(decode_name(raw), target.prefix)
+        parsed = parse_name(decode_name(raw), target.prefix)
         if parsed is None:
             scan.other += 1
             continue
@@ -99,6 +101,8 @@ def scan_names(
                 continue
         if tagged is not None and owner != tagged:
             continue
+        if kind == "lock" and holder(keys=[raw]) is None:
+            continue  # a lease that has ended: a tombstone that keeps its fencing token a while
         yield kind, owner or ("(shortened)" if shortened else "(no task)"), raw
 
 

@@ -8,17 +8,10 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent import keyspace
-from celery_idempotent._health import eviction_policy, eviction_warning
-from celery_idempotent.cli.common import (
-    batch_size_option,
-    common_options,
-    connect,
-    emit_json,
-    print_table,
-    progress,
-    redis_errors,
-)
+from celery_idempotent.cli.common import connect, emit_json, print_table, progress, redis_errors
+from celery_idempotent.cli.options import batch_size_option, common_options
 from celery_idempotent.cli.scan import Scan, scan_names
+from celery_idempotent.health import eviction_policy, eviction_warning
 
 __all__ = ["stats"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import _green, _native_redis, _redis, keyspace
-from celery_idempotent._validate import check_duration
+from celery_idempotent import _redis, green, keyspace, native_redis
 from celery_idempotent.protocols import Lease
+from celery_idempotent.validate import check_duration
 
 __all__ = ["RedisLockProvider"]
 
@@ -18,13 +18,19 @@ class RedisLockProvider:
     Pass a ready ``client`` or a ``url`` (``redis://``, ``rediss://``, ``unix://``). Each
     acquisition stores a token unique to it (``<random>@<owner_id>``; ``owner_id`` defaults to
     ``host:pid:random``), and extend and release are Lua scripts that act only when the lock
-    still holds that token: a holder whose lease expired can never release or extend the next
-    holder's lease. Lease expiry is the server's ``PX``: no client clock decides it.
+    still holds that token and its lease is valid: a holder whose lease expired can never
+    release or extend the next holder's lease, nor its own. A lease ends at a deadline in
+    server time kept in the lock (``<deadline ms>/<fencing token>/<token>``), compared with
+    the server's ``TIME``: no client clock decides it. After its lease ends (released, or
+    past the deadline) the lock stays as a tombstone for ``keyspace.FENCE_MARGIN_MS`` (60 s)
+    more, so that the next fencing token is above the last one even if the server clock
+    steps back meanwhile.
 
     Fencing tokens strictly increase per resource: a token is the server's time in µs, or
-    one more than a token still ahead of the server clock (see
-    ``celery_idempotent.keyspace`` for why no long-lived fence key is needed). A lease's
-    ``token`` is what the lock holds: ``<fencing token>/<random>@<owner_id>``.
+    one more than the last token the lock (or a fence key) still carries (see
+    ``celery_idempotent.keyspace`` for why no long-lived fence key is needed, and the bound
+    on a server clock step back). A lease's ``token`` is ``<fencing token>/<random>@<owner_id>``
+    (the lock holds it behind the lease's deadline).
 
     ``key_prefix`` only scopes :meth:`clear`; resource names come from the guard.
     ``fence_ttl`` is accepted for compatibility with 0.1.0 and no longer used: layout v2
@@ -49,6 +55,7 @@ class RedisLockProvider:
         self._acquire = self.client.register_script(_redis.ACQUIRE)
         self._extend = self.client.register_script(_redis.EXTEND)
         self._release = self.client.register_script(_redis.RELEASE)
+        self._holder = self.client.register_script(_redis.HOLDER)
 
     def __repr__(self) -> str:
         return f"RedisLockProvider(client={self.client!r}, owner_id={self.owner_id!r})"
@@ -97,16 +104,16 @@ class RedisLockProvider:
         no such connection (a Cluster client; under gevent/eventlet also TLS and Sentinel):
         the keeper then calls :meth:`extend`. Call it from one thread only.
         """
-        natives = _green.natives()
+        natives = green.natives()
         cache: dict[str | None, Any] = self.__dict__.setdefault("_renewers", {})
         if natives.runtime not in cache:
-            caller = _native_redis.native_caller_for(self.client, natives)
+            caller = native_redis.native_caller_for(self.client, natives)
             cache[natives.runtime] = None if caller is None else self._make_renew(caller)
         found: Callable[[Lease, float, float], bool] | None = cache[natives.runtime]
         return found
 
     def _make_renew(
-        self, caller: _native_redis.NativeRedisCaller
+        self, caller: native_redis.NativeRedisCaller
     ) -> Callable[[Lease, float, float], bool]:
         def renew(lease: Lease, ttl: float, timeout: float) -> bool:
             keys, args = self._extend_arguments(lease, ttl)
@@ -115,26 +122,28 @@ class RedisLockProvider:
 
         return renew
 
-    def release(self, lease: Lease) -> bool:
-        """Release the lock if ``lease`` still holds it (one round trip)."""
+    def release(self, lease: Lease, *, unused: bool = False) -> bool:
+        """Release the lock if ``lease`` still holds it (one round trip). The lock stays as a
+        tombstone that keeps the lease's fencing token (see ``celery_idempotent.keyspace``);
+        ``unused=True`` (a lease under which nothing ran, given back at once) deletes it."""
         with _redis.translate_errors(lease.resource, "lock release"):
             return bool(
                 self._release(
                     keys=[lease.resource, keyspace.fence_name(lease.resource)],
-                    args=[lease.token, lease.fencing_token],
+                    args=[lease.token, lease.fencing_token, "1" if unused else "0"],
                 )
             )
 
     def is_locked(self, resource: str) -> bool:
-        """Whether anyone holds ``resource`` now."""
-        with _redis.translate_errors(resource, "lock check"):
-            return bool(self.client.exists(resource))
+        """Whether anyone holds ``resource`` now (a lease that has ended is not held, though
+        its lock stays a while as a tombstone that keeps its fencing token)."""
+        return self.holder(resource) is not None
 
     def holder(self, resource: str) -> str | None:
         """The current holder's lease token (``<fencing token>/<random>@<owner_id>``; a lock
-        taken by 0.1.0 holds ``<random>@<owner_id>``), or ``None``."""
+        taken by 0.1.0 holds ``<random>@<owner_id>``), or ``None`` (one round trip)."""
         with _redis.translate_errors(resource, "lock check"):
-            value = self.client.get(resource)
+            value = self._holder(keys=[resource])
         if value is None:
             return None
         return value.decode() if isinstance(value, bytes) else str(value)

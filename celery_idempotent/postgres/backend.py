@@ -15,7 +15,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_idempotent import transactions
-from celery_idempotent._validate import check_duration
 from celery_idempotent.codec import ResultCodec
 from celery_idempotent.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.postgres.connections import (
@@ -31,12 +30,13 @@ from celery_idempotent.postgres.sql import (
     Statements,
     check_table,
     decode_row,
-    encode_result,
     is_pg_error,
     quote_table,
+    record_columns,
 )
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
 from celery_idempotent.urls import redact
+from celery_idempotent.validate import check_duration
 
 __all__ = ["PostgresBackend"]
 
@@ -214,17 +214,8 @@ class PostgresBackend(PsycopgTransactions):
     def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
         """Store ``record`` for ``ttl`` seconds in a transaction of its own."""
         ttl = check_duration("ttl", ttl)
-        ctype, encoding, data = encode_result(self.codec, key, record)
-        params = (
-            self._row(key),
-            record.fencing_token,
-            record.fingerprint,
-            ctype,
-            encoding,
-            data,
-            float(record.created_at),
-            ttl,
-        )
+        columns = record_columns(self.codec, key, record)
+        params = (self._row(key), record.fencing_token, *columns, ttl)
         self.autocommit([(self.sql.upsert, params)])
 
     def delete(self, key: str) -> bool:
@@ -276,17 +267,7 @@ class PostgresBackend(PsycopgTransactions):
         if not self._alive(tx):
             self.release(lease)
             return False
-        ctype, encoding, data = encode_result(self.codec, key, record)
-        params = (
-            record.fingerprint,
-            ctype,
-            encoding,
-            data,
-            float(record.created_at),
-            ttl,
-            row,
-            lease.fencing_token,
-        )
+        params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
         try:
             self._run(tx, [(self.sql.commit, params)], commit=True)
         except ConnectionError:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from celery_idempotent import _green
+from celery_idempotent import green
 from celery_idempotent.exceptions import IdempotencyConnectionError
 from celery_idempotent.postgres.sql import LOCK_NOT_AVAILABLE, Statements, ddl, is_pg_error
 from celery_idempotent.protocols import Lease
@@ -228,10 +228,18 @@ class PsycopgTransactions:
     ) -> tuple[Transaction, list[Any]]:
         """Open a transaction and run ``statements`` in it (one flight); on error it is
         rolled back and the error raised."""
-        psycopg = import_psycopg()
         conn = self._get()
+        results = self._send(conn, [("BEGIN", ()), *statements])[1:]
+        hold(conn, 1)
+        return Transaction(conn, True, key, conn), results
+
+    def _send(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """:meth:`_flight` on a connection outside a transaction of the guard's; on error
+        whatever it opened is rolled back, and a lost connection raised as
+        ``ConnectionError`` (a lock that waited past ``lock_timeout`` is raised as it is)."""
+        psycopg = import_psycopg()
         try:
-            results = self._flight(conn, [("BEGIN", ()), *statements])[1:]
+            return self._flight(conn, statements)
         except BaseException as exc:
             self._end(conn, commit=False)
             if isinstance(exc, psycopg.OperationalError) and not is_pg_error(
@@ -239,8 +247,6 @@ class PsycopgTransactions:
             ):
                 raise ConnectionError(f"PostgreSQL: {exc}") from exc
             raise
-        hold(conn, 1)
-        return Transaction(conn, True, key, conn), results
 
     @staticmethod
     def _flight(conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
@@ -305,17 +311,8 @@ class PsycopgTransactions:
 
     def autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
         """Run ``statements`` in a transaction of their own and commit (one flight)."""
-        psycopg = import_psycopg()
         conn = self._get()
-        try:
-            results = self._flight(conn, [("BEGIN", ()), *statements, ("COMMIT", ())])
-        except BaseException as exc:
-            self._end(conn, commit=False)
-            if isinstance(exc, psycopg.OperationalError) and not is_pg_error(
-                exc, LOCK_NOT_AVAILABLE
-            ):
-                raise ConnectionError(f"PostgreSQL: {exc}") from exc
-            raise
+        results = self._send(conn, [("BEGIN", ()), *statements, ("COMMIT", ())])
         self._put(conn)
         return results[1:-1]
 
@@ -330,7 +327,7 @@ def import_psycopg() -> Any:
         raise ImportError(
             "the PostgreSQL backend needs psycopg 3: pip install 'celery-idempotent[postgres]'"
         ) from exc
-    if _green.runtime() is not None:
+    if green.runtime() is not None:
         cooperative_wait(psycopg)
     return psycopg
 

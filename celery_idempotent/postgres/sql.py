@@ -20,9 +20,9 @@ __all__ = [
     "check_table",
     "ddl",
     "decode_row",
-    "encode_result",
     "is_pg_error",
     "quote_table",
+    "record_columns",
 ]
 
 #: The table name when none is given (URL query parameter ``table``).
@@ -162,12 +162,21 @@ class Statements:
         self.ddl_lock = "SELECT pg_advisory_xact_lock(hashtext(%s))"
 
 
-def encode_result(
+def record_columns(
     codec: ResultCodec, key: str, record: IdempotencyRecord
-) -> tuple[str, str, bytes]:
-    """The ``content_type``, ``content_encoding`` and ``result`` columns of ``record``;
-    :class:`~celery_idempotent.exceptions.ResultEncodeError` when the serializer refuses it."""
-    return codec.content_type, codec.content_encoding, codec.dumps(key, record.result)
+) -> tuple[str | None, str, str, bytes, float]:
+    """``record`` as the columns ``fingerprint, content_type, content_encoding, result,
+    created_at`` (in that order, as :attr:`Statements.upsert` and :attr:`Statements.commit`
+    take them); :class:`~celery_idempotent.exceptions.ResultEncodeError` when the serializer
+    refuses the result."""
+    data = codec.dumps(key, record.result)
+    return (
+        record.fingerprint,
+        codec.content_type,
+        codec.content_encoding,
+        data,
+        float(record.created_at),
+    )
 
 
 def decode_row(codec: ResultCodec, key: str, row: Sequence[Any]) -> IdempotencyRecord:

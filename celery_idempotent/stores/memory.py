@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from celery_idempotent._validate import check_duration
 from celery_idempotent.protocols import IdempotencyRecord
+from celery_idempotent.validate import check_duration
 
 __all__ = ["MemoryIdempotencyStore"]
 

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from celery_idempotent import _redis, keyspace
-from celery_idempotent._validate import check_count, check_duration
 from celery_idempotent.codec import ResultCodec, serializer_info
 from celery_idempotent.exceptions import (
     IdempotencyBackendError,
@@ -23,6 +22,7 @@ from celery_idempotent.exceptions import (
 )
 from celery_idempotent.locks.redis import RedisLockProvider
 from celery_idempotent.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.validate import check_count, check_duration
 
 __all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
 
@@ -356,8 +356,9 @@ class RedisAtomicBackend:
             if acked is not None and int(acked) < self.store.wait_replicas:
                 # Taken on a server whose replicas do not have it: give it back (a master
                 # about to be demoted would lose it anyway) before anything runs under it.
+                # Nothing ran under its token, so none is kept (no tombstone).
                 with contextlib.suppress(Exception):  # else it expires within ttl
-                    self.locks.release(lease)
+                    self.locks.release(lease, unused=True)
                 self.store.check_replicated(key, acked, "claim")
             return Claim(lease, None)
         if status == 2:

@@ -1,4 +1,4 @@
-"""Helpers for the IdempotentTask tests (importable: ``tests/celery`` is on ``sys.path``)."""
+"""Helpers for the IdempotentTask tests: what the workers of ``apps/cidem_app.py`` recorded."""
 
 from __future__ import annotations
 

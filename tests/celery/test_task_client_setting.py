@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from cidem_helpers import key_of, redis_names
 
 from celery_idempotent import IdempotentTask
 from celery_idempotent.settings import resolve
 from celery_idempotent.task import reset_backends
+from tests.celery.cidem_helpers import key_of, redis_names
 from tests.support.workers import WorkerGroup
 
 TIMEOUT = 60

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
-from cidem_helpers import key_of, redis_names
 
 from celery_idempotent import (
     IdempotencyError,
@@ -25,6 +24,7 @@ from celery_idempotent import (
     IdempotentTask,
 )
 from celery_idempotent.task import FAILURE_MARKER, check_namespaces
+from tests.celery.cidem_helpers import key_of, redis_names
 
 pytestmark = pytest.mark.redis
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.exceptions import Reject
-from cidem_helpers import count
 
+from tests.celery.cidem_helpers import count
 from tests.support.waiting import wait_for
 from tests.support.workers import CeleryWorker, WorkerGroup
 

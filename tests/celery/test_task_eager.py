@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from celery import Celery, chain, chord, group
 from celery.exceptions import Ignore, Reject
-from cidem_helpers import key_of, redis_names
 
 from celery_idempotent import (
     IdempotencyMismatchError,
@@ -23,6 +22,7 @@ from celery_idempotent import (
 )
 from celery_idempotent._redis import glob_escape
 from celery_idempotent.keys import key_digest as _hash
+from tests.celery.cidem_helpers import key_of, redis_names
 
 pytestmark = pytest.mark.redis
 

@@ -24,8 +24,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from cidem_helpers import count, key_of, signal_count
 
+from tests.celery.cidem_helpers import count, key_of, signal_count
 from tests.support.workers import WorkerGroup
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
-from cidem_helpers import count, key_of, signal_count
 
+from tests.celery.cidem_helpers import count, key_of, signal_count
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 

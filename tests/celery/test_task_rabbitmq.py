@@ -8,8 +8,8 @@ from types import ModuleType
 
 import pytest
 from celery import Celery
-from cidem_helpers import count, settled
 
+from tests.celery.cidem_helpers import count, settled
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.exceptions import Retry, SoftTimeLimitExceeded
-from cidem_helpers import key_of, redis_names
 
 from celery_idempotent import IdempotentTask, LockAcquisitionError, current_lease
 from celery_idempotent._redis import glob_escape
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
+from tests.celery.cidem_helpers import key_of, redis_names
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 

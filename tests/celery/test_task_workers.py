@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from celery import chain, chord
-from cidem_helpers import count, key_of, redis_names, settled, signal_count, signal_data
 
 from celery_idempotent import (
     IdempotencyError,
@@ -28,6 +27,14 @@ from celery_idempotent import (
     RedisIdempotencyStore,
 )
 from celery_idempotent.keyspace import decode_record
+from tests.celery.cidem_helpers import (
+    count,
+    key_of,
+    redis_names,
+    settled,
+    signal_count,
+    signal_data,
+)
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 

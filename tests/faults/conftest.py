@@ -2,9 +2,9 @@
 
 The suite runs with plain ``pytest`` (it is under ``testpaths``); run it alone with
 ``.venv/bin/python -m pytest tests/faults -v``. Each fault test records its figures (deliveries,
-kills, restarts, double executions...) with :func:`faultlib.record_figures`; they are printed at
-the end of the run and, when ``CELERY_IDEMPOTENT_FAULT_FIGURES`` names a file, written there as
-JSON.
+kills, restarts, double executions...) with :func:`tests.faults.faultlib.record_figures`; they
+are printed at the end of the run and, when ``CELERY_IDEMPOTENT_FAULT_FIGURES`` names a file,
+written there as JSON.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import redis
-from faultlib import FIGURES
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from tests.faults.faultlib import FIGURES
 
 FIGURES_ENV = "CELERY_IDEMPOTENT_FAULT_FIGURES"
 

@@ -19,9 +19,9 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.result import AsyncResult
-from fault_app import env_for, make_app
 
 from celery_idempotent.servers.redis_server import forget_pending_results
+from tests.faults.fault_app import env_for, make_app
 from tests.support.redis_server import RedisServer
 from tests.support.workers import CeleryWorker
 
@@ -170,7 +170,7 @@ class FaultEnv:
             concurrency=concurrency,
             queues=[queue],
             env=env_for(self.config),
-            pythonpath=[HERE, HERE.parent],
+            pythonpath=[HERE],
         )
         self.workers.append(worker)
         worker.start()

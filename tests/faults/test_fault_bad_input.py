@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from fault_app import finalize_quietly
-from faultlib import record_figures
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -31,6 +29,8 @@ from celery_idempotent import (
     ResultEncodeError,
 )
 from celery_idempotent.keys import slot_key
+from tests.faults.fault_app import finalize_quietly
+from tests.faults.faultlib import record_figures
 from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]

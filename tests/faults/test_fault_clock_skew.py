@@ -1,6 +1,7 @@
-"""A client clock an hour off (ahead or behind) changes nothing: leases and record TTLs are the
-Redis server's ``PX``, renewal runs on ``time.monotonic``, and the guard's ``clock`` only stamps
-records (``created_at``).
+"""A client clock an hour off (ahead or behind) changes nothing: leases end at a deadline in the
+Redis server's time (kept in the lock, compared with its ``TIME``), record TTLs are the server's
+``PX``, renewal runs on ``time.monotonic``, and the guard's ``clock`` only stamps records
+(``created_at``).
 
 The "dead holder" is a real process whose ``time.time`` is an hour off; it takes a lease and is
 SIGKILLed inside its body: the lease must end ``lock_ttl`` after its claim by the server's clock.
@@ -18,18 +19,27 @@ from typing import Any
 
 import pytest
 import redis
-from faultlib import record_figures
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
     LockAcquisitionError,
     RedisIdempotencyStore,
     RedisLockProvider,
+    keyspace,
 )
+from tests.faults.faultlib import record_figures
 
 HOUR = 3600.0
 SKEWS = [pytest.param(HOUR, id="ahead-1h"), pytest.param(-HOUR, id="behind-1h")]
 FIGURES: dict[str, int] = {"skewed_guards": 0, "killed_holders": 0}
+
+
+def lease_left_ms(client: redis.Redis, resource: str) -> int:
+    """The ms a lock's lease has left by the server's clock (its deadline minus TIME)."""
+    deadline = keyspace.parse_lock(client.get(resource).decode()).deadline_ms
+    assert deadline is not None
+    sec, usec = client.time()
+    return deadline - (int(sec) * 1_000_000 + int(usec)) // 1000
 
 
 def skewed_guard(
@@ -55,7 +65,7 @@ def test_record_ttl_and_lease_are_the_servers_and_replays_cross_skews(
     seen: dict[str, int] = {}
 
     def body() -> str:
-        seen["lease_pttl"] = int(redis_client.pttl(guard.lock_resource("k")))
+        seen["lease_pttl"] = lease_left_ms(redis_client, guard.lock_resource("k"))
         return "v"
 
     before = time.time()
@@ -144,11 +154,11 @@ def test_a_killed_holders_lease_ends_on_the_servers_schedule(
     killed_at = time.monotonic()
     guard = skewed_guard(redis_client, key_prefix, -skew, lock_ttl=1.5, retry_count=0)
     resource = guard.lock_resource("dead")
-    pttl = int(redis_client.pttl(resource))
+    pttl = lease_left_ms(redis_client, resource)
     assert 0 < pttl <= 1500, f"the dead holder's lease has {pttl} ms left: not the server's"
     with pytest.raises(LockAcquisitionError):
         guard.execute("dead", lambda: "too early")
-    while redis_client.exists(resource):
+    while guard.lock_provider.is_locked(resource):  # (its lock stays a while, as a tombstone)
         assert time.monotonic() - killed_at < 3, "the lease outlived lock_ttl"
         time.sleep(0.02)
     assert guard.execute("dead", lambda: "after expiry") == "after expiry"

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import redis
-from faultlib import record_figures
 
 from celery_idempotent import (
     CommitUnknownError,
@@ -28,6 +27,7 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
+from tests.faults.faultlib import record_figures
 from tests.support.proxy import TcpProxy
 
 ProxyFactory = Callable[..., TcpProxy]

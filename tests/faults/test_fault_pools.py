@@ -29,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from faultlib import (
+
+from celery_idempotent.keyspace import decode_record, record_name
+from tests.faults.faultlib import (
     Run,
     commits_by_key,
     counter,
@@ -39,8 +41,6 @@ from faultlib import (
     record_figures,
     wait_ready,
 )
-
-from celery_idempotent.keyspace import decode_record, record_name
 from tests.support.redis_server import RedisServer
 
 LOCK_TTL = 1.0

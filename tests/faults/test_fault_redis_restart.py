@@ -18,16 +18,6 @@ from typing import Any
 
 import pytest
 import redis
-from faultlib import (
-    commits_by_key,
-    counter,
-    fault_env,
-    load_runs,
-    overlaps,
-    record_figures,
-    text,
-    wait_ready,
-)
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -36,6 +26,16 @@ from celery_idempotent import (
     LockLostError,
     RedisIdempotencyStore,
     RedisLockProvider,
+)
+from tests.faults.faultlib import (
+    commits_by_key,
+    counter,
+    fault_env,
+    load_runs,
+    overlaps,
+    record_figures,
+    text,
+    wait_ready,
 )
 from tests.support.redis_server import RedisServer
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from faultlib import counter, fault_env, record_figures
 
 from celery_idempotent import RedisLockProvider
 from celery_idempotent.keyspace import lock_name
 from celery_idempotent.task import MAX_REQUEUE_COUNTDOWN, requeue_countdown
+from tests.faults.faultlib import counter, fault_env, record_figures
 from tests.support.redis_server import RedisServer
 
 LOCK_TTL = 2.0

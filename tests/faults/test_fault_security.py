@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from fault_app import finalize_quietly
-from faultlib import record_figures
 
 from celery_idempotent import (
     DistributedIdempotencyGuard,
@@ -35,6 +33,8 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from tests.faults.fault_app import finalize_quietly
+from tests.faults.faultlib import record_figures
 from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from faultlib import (
+
+from celery_idempotent.keyspace import decode_record, record_name
+from tests.faults.faultlib import (
     FaultEnv,
     Run,
     commits_by_key,
@@ -33,8 +35,6 @@ from faultlib import (
     record_figures,
     wait_ready,
 )
-
-from celery_idempotent.keyspace import decode_record, record_name
 from tests.support.redis_server import RedisServer
 from tests.support.workers import CeleryWorker
 

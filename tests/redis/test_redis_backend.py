@@ -34,6 +34,7 @@ from celery_idempotent import (
     RecordDecodeError,
     RedisIdempotencyStore,
     RedisLockProvider,
+    keyspace,
 )
 from celery_idempotent.stores.redis import RedisAtomicBackend
 from tests.support.counting import RoundTrips
@@ -188,11 +189,24 @@ def test_leases_and_records_expire_server_side(pair: Pair) -> None:
         store=pair.store, lock_provider=pair.provider, key_prefix=pair.prefix, ttl=120, lock_ttl=7
     )
     res, rkey = guard.lock_resource("k"), guard.record_key("k")
-    lock_pttl: list[int] = []
-    guard.execute("k", lambda: lock_pttl.append(pair.client.pttl(res)))
-    assert 6_000 < lock_pttl[0] <= 7_000
+    seen: list[tuple[int, bytes, int]] = []
+
+    def body() -> None:
+        sec, usec = pair.client.time()
+        now_ms = (int(sec) * 1_000_000 + int(usec)) // 1000
+        seen.append((pair.client.pttl(res), pair.client.get(res), now_ms))
+
+    guard.execute("k", body)
+    pttl, value, now_ms = seen[0]
+    # The lease ends at a deadline in server time kept in the lock; the key itself lives the
+    # margin longer, as the tombstone that keeps the fencing token once the lease has ended.
+    deadline = keyspace.parse_lock(value.decode()).deadline_ms
+    assert deadline is not None
+    assert 6_000 < deadline - now_ms <= 7_000
+    margin = keyspace.FENCE_MARGIN_MS
+    assert 6_000 + margin < pttl <= 7_000 + margin
     assert 119_000 < pair.client.pttl(rkey) <= 120_000
-    assert pair.client.pttl(res) == -2  # released
+    assert pair.client.pttl(res) == -2  # released: the commit deletes the lock
 
 
 def test_clear_is_scoped_to_the_prefix_and_tokens_keep_increasing(
@@ -696,7 +710,10 @@ def test_redis_lost_mid_body_loses_the_lease_and_commits_nothing(
         lock_ttl=0.5,
     )
 
+    tokens: list[int] = []
+
     def body() -> str:
+        tokens.append(current_fencing_token())
         proxy.cut()
         time.sleep(0.8)  # renewals fail until the lease has run out
         proxy.resume()
@@ -707,7 +724,13 @@ def test_redis_lost_mid_body_loses_the_lease_and_commits_nothing(
     assert caught.value.result == "charged"
     assert isinstance(caught.value.__cause__, IdempotencyConnectionError)
     assert not client.exists(guard.record_key("k"))
-    assert not client.exists(guard.lock_resource("k"))
+    # The lease ran out: the lock is not held, and what is left of it is the tombstone that
+    # keeps the lost lease's fencing token until it expires (the margin after the deadline).
+    res = guard.lock_resource("k")
+    assert not RedisLockProvider(client).is_locked(res)
+    state = keyspace.parse_lock(client.get(res).decode())
+    assert state.fencing_token == tokens[0]
+    assert 0 < client.pttl(res) <= keyspace.FENCE_MARGIN_MS
     via_proxy.close()
 
 

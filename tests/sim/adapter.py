@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import greenlet
 
-from celery_idempotent import _redis, _renewal
+from celery_idempotent import _redis
+from celery_idempotent import renewal as lease_renewal
 from celery_idempotent.guard import DistributedIdempotencyGuard
 from celery_idempotent.keys import lock_resource, record_key
 from celery_idempotent.locks.redis import RedisLockProvider
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover - layout v1
     _keyspace = None  # type: ignore[assignment]
 
 __all__ = [
+    "FENCE_MARGIN_US",
     "PREFIX",
     "KeyView",
     "Layout",
@@ -55,6 +57,9 @@ __all__ = [
 
 PREFIX = "idempotency:"
 LAYOUT = "v2" if _keyspace is not None and hasattr(_keyspace, "decode_record") else "v1"
+#: How long (server µs) a lock keeps an ended lease's fencing token past the later of the
+#: lease's end and the clock reaching the token (0: the layout keeps no tombstone).
+FENCE_MARGIN_US = int(getattr(_keyspace, "FENCE_MARGIN_MS", 0)) * 1000
 
 
 def rebind(fn: Callable[..., Any], **names: Any) -> Any:
@@ -146,6 +151,9 @@ class KeyView:
     record_fp: str | None
     # a queued marker under the record's name: (task id, fingerprint, write stamp, expiry)
     marker: tuple[str, str | None, int, int | None] | None = None
+    # the lock's key exists (a valid lease, or a tombstone that keeps an ended lease's token)
+    lock_present: bool = False
+    lock_fence: int | None = None  # the fencing token the lock's key carries
 
 
 _NO_VALUE = object()
@@ -164,7 +172,17 @@ class Layout:
         lock = server.peek(self.lock)
         fence = server.peek(self.fence)
         rec = server.peek(self.record)
-        holder = None if lock is None else lock.value.decode()
+        holder, holder_expire, lock_fence = None, None, None
+        if lock is not None:
+            holder, holder_expire = lock.value.decode(), lock.expire_ms
+            parse = getattr(_keyspace, "parse_lock", None)
+            if parse is not None:  # a lease's deadline in the value; after it, a tombstone
+                state = parse(holder)
+                lock_fence = state.fencing_token
+                if state.deadline_ms is not None:
+                    live = state.deadline_ms > server.now_ms()
+                    holder = state.lease_token if live else None
+                    holder_expire = state.deadline_ms if live else None
         marker = None
         if rec is not None and rec.kind == "string" and _keyspace is not None:
             parsed = _keyspace.parse_queued(rec.value)
@@ -174,7 +192,7 @@ class Layout:
         value, rfence, fp = (None, None, None) if rec is None else decode_record(rec)
         return KeyView(
             holder=holder,
-            holder_expire_ms=None if lock is None else lock.expire_ms,
+            holder_expire_ms=holder_expire,
             fence_key=None if fence is None else int(fence.value),
             record_stamp=None if rec is None else rec.version,
             record_value=value,
@@ -182,6 +200,8 @@ class Layout:
             record_expire_ms=None if rec is None else rec.expire_ms,
             record_fp=fp,
             marker=marker,
+            lock_present=lock is not None,
+            lock_fence=lock_fence,
         )
 
     @staticmethod
@@ -190,12 +210,13 @@ class Layout:
         only the server clock does). Layout v1: the fence key is the only floor (a claim or
         acquire never reads the record's token). Layout v2: the lock, the fence key and, for a
         claim (which reads the record), the record carry it; an acquire (the two-step path,
-        whose store may live elsewhere) does not see the record."""
+        whose store may live elsewhere) does not see the record. The lock's key carries it
+        while it exists: a valid lease, or a tombstone that keeps an ended lease's token."""
         if LAYOUT == "v1":
             return view.fence_key is None
         if role == "acquire":
-            return view.holder is None and view.fence_key is None
-        return view.holder is None and view.record_stamp is None and view.fence_key is None
+            return not view.lock_present and view.fence_key is None
+        return not view.lock_present and view.record_stamp is None and view.fence_key is None
 
     def grant_fence(self, view: KeyView) -> int | None:
         """The fencing token of the holder in ``view``."""
@@ -228,7 +249,7 @@ def _load(data: bytes) -> Any:
 
 
 class _RenewalNamespace:
-    """What ``guard._run_body`` sees as ``_renewal``: the real module, with the keeper swapped
+    """What ``guard._run_body`` sees as ``renewal``: the real module, with the keeper swapped
     for the process's :class:`SimKeeper` (both the ``keeper().keep(...)`` and the
     ``keep(...)``/``stop(...)`` spellings of the module's API)."""
 
@@ -236,7 +257,7 @@ class _RenewalNamespace:
         self._keeper = keeper
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(_renewal, name)
+        return getattr(lease_renewal, name)
 
     def keeper(self) -> SimKeeper:
         return self._keeper
@@ -280,20 +301,20 @@ class SimKeeper:
         self._natives = None
         self._connect = connect  # timeout -> a client of the keeper's own
         self.greenlet: Any = None  # the keeper's own greenlet, once started
-        fn = renew or rebind(_renewal.LeaseKeeper._renew, time=proc.time)
+        fn = renew or rebind(lease_renewal.LeaseKeeper._renew, time=proc.time)
         self._renew = types.MethodType(fn, self)
         # The keeper's _renew returns the next due time (or None) in the newer keeper, and
         # pushes the renewal back itself in the older one.
         self._returns_due = "due" in _params(fn)
         for helper in ("_lose", "_log"):
-            real = getattr(_renewal.LeaseKeeper, helper, None)
+            real = getattr(lease_renewal.LeaseKeeper, helper, None)
             if real is not None:
                 setattr(self, helper, types.MethodType(rebind(real, time=proc.time), self))
-        self._init_renewal = rebind(_renewal.Renewal.__init__, time=proc.time)
-        self._init_params = _params(_renewal.Renewal.__init__)
+        self._init_renewal = rebind(lease_renewal.Renewal.__init__, time=proc.time)
+        self._init_params = _params(lease_renewal.Renewal.__init__)
 
     def keep(self, provider: Any, lease: Any, ttl: float, interval: float, **kw: Any) -> Any:
-        renewal = _renewal.Renewal.__new__(_renewal.Renewal)
+        renewal = lease_renewal.Renewal.__new__(lease_renewal.Renewal)
         if "renew" in self._init_params:
             make = getattr(provider, "_make_renew", None)
             renew = kw.get("renew")
@@ -377,9 +398,9 @@ def make_guard(
     # Every method of the guard that reaches for the renewal module sees the simulated keeper,
     # and every one that reads the time module reads the process's clocks.
     swapped = {
-        name: rebind(fn, _renewal=namespace, time=proc.time)
+        name: rebind(fn, renewal=namespace, time=proc.time)
         for name, fn in vars(DistributedIdempotencyGuard).items()
-        if isinstance(fn, types.FunctionType) and {"_renewal", "time"} & set(fn.__code__.co_names)
+        if isinstance(fn, types.FunctionType) and {"renewal", "time"} & set(fn.__code__.co_names)
     }
     if not swapped:
         raise AssertionError("the guard no longer calls the renewal module: update the adapter")

@@ -19,10 +19,13 @@ Invariants (``Violation.rule``):
 - ``overwrite``: a committed record is never overwritten, and removed only by its TTL, an
   explicit forget, or a restart that lost data.
 - ``fence``: fencing tokens strictly increase per key across all holders; the token a body
-  sees is the one the server granted. The one documented exception: once no key carrying the
-  last token is left (its fence key expired after ``fence_ttl``, or a restart lost it) while
-  the server's clock is behind that token (it stepped back), the next token is floored by the
-  clock alone and is lower; the checker excuses exactly that combination.
+  sees is the one the server granted. A key that carries the last token (the lock, as a lease
+  or as a tombstone; the record; the fence key) may go away by expiry only once the server
+  clock has passed the token, and a lock only once it has passed it by the margin
+  (``keyspace.FENCE_MARGIN_MS``). A lower token is excused only when no such key is left and
+  the server clock is behind the last token: after a restart that lost data, an explicit
+  forget (the store's delete of the record), or a step back of the clock, after the last key
+  expired, larger than what the keyspace documents (the expiry check proves the step was).
 - ``rerun``: a claim never takes the lease of a key whose record is live, and no body starts
   under a live lease while its key's record is live (a completed key never runs again); with
   persistence this holds across restarts.
@@ -54,7 +57,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .adapter import KeyView, Layout, holds, owner_of
+from .adapter import FENCE_MARGIN_US, KeyView, Layout, holds, owner_of
 
 __all__ = ["Checker", "Violation"]
 
@@ -98,8 +101,9 @@ class KeyState:
     max_fence: int = 0
     max_fence_server_us: int = 0
     clock_went_back: bool = False
-    # per grant role: nothing floored such a grant by the highest token at some point since it
-    lost_since_max: dict[str, bool] = field(default_factory=dict)
+    # per grant role: how the last key that floored such a grant by the highest token went
+    # away since it was granted ("time", "data-loss", "forget")
+    lost: dict[str, str] = field(default_factory=dict)
     record_lost: bool = False  # a restart lost the key's record (it may run again)
     records: list[RecordLife] = field(default_factory=list)
     expired_stamps: set[int | None] = field(default_factory=set)
@@ -129,6 +133,7 @@ class Checker:
         self.unchecked_publishes = 0
         self.marker_ends: Counter[str] = Counter()
         self.excused_fences = 0
+        self.excused_by: Counter[str] = Counter()
         self.reruns_after_loss = 0
         self.committed_values: dict[Any, str] = {}  # value -> token of the commit
         self.checks = 0
@@ -178,7 +183,7 @@ class Checker:
         if mode != "aof":
             for ks in self.keys.values():
                 # (an older snapshot may bring back an older floor: as good as none)
-                ks.lost_since_max = {"claim": True, "acquire": True}
+                ks.lost = {"claim": "data-loss", "acquire": "data-loss"}
         self._diff(None, "restart", None, "data-loss" if mode != "aof" else "restart")
 
     def clock_step(self, delta: float) -> None:
@@ -281,8 +286,9 @@ class Checker:
                 continue
             ks.view = new
             for grant in ("claim", "acquire"):
-                if ks.layout.token_forgotten(new, grant):
-                    ks.lost_since_max[grant] = True  # nothing floors such a grant's token now
+                if ks.layout.token_forgotten(new, grant) and grant not in ks.lost:
+                    # nothing floors such a grant's token now
+                    ks.lost[grant] = self._token_dropped(key, ks, grant, old, ctx)
             # -- the lease
             if old.holder != new.holder:
                 if old.holder is not None:
@@ -444,12 +450,14 @@ class Checker:
             ks.record_lost = False
         if fence is None:
             raise self.violated("fence", f"lease on {key} granted without a fencing token")
-        forgotten = ks.lost_since_max.get(role, False)
+        forgotten = ks.lost.get(role) in ("time", "data-loss", "forget")
         if fence <= ks.max_fence and forgotten and self.server.now_us() < ks.max_fence:
-            # Documented: with no key left that carries the last token (expired, or lost in
-            # a restart), tokens are floored by the server clock alone, which is behind that
-            # token (it stepped back).
+            # Documented: with no key left that carries the last token (lost in a restart,
+            # forgotten, or expired: then only once the clock had passed it by the bound, see
+            # _token_dropped), tokens are floored by the server clock alone, which is behind
+            # that token (it stepped back further than the bound).
             self.excused_fences += 1
+            self.excused_by[ks.lost[role]] += 1
         elif fence <= ks.max_fence:
             raise self.violated(
                 "fence",
@@ -457,7 +465,37 @@ class Checker:
                 "granted before",
             )
         ks.max_fence = fence
-        ks.lost_since_max = {}
+        ks.lost = {}
+
+    def _token_dropped(self, key: str, ks: KeyState, grant: str, old: KeyView, ctx: _Ctx) -> str:
+        """The last key that floors ``grant``'s next token by the highest token went away
+        (``old`` still had it): how. Expiry must wait until the server clock has passed the
+        token (a lock: by the margin)."""
+        _proc, role, _token, cause, _now_ms = ctx
+        if not ks.max_fence or ks.layout.token_forgotten(old, grant):
+            return "none"  # nothing was granted yet, or it was dropped before (seen now)
+        if cause == "data-loss":
+            return "data-loss"
+        if role == "forget":
+            return "forget"
+        if role == "commit" and grant == "acquire":
+            # The record carries the token from now on; an acquire (the two-step path) does
+            # not read it. Not an excuse: a lower acquire grant after this is still caught.
+            return "commit"
+        # Whatever the step that revealed it (a tick, a request, Redis coming back up), the
+        # only way left is expiry: no script deletes the last such key (a mutant that does is
+        # caught here, as an expiry before its time).
+        now_us = self.server.now_us()
+        need = ks.max_fence + (FENCE_MARGIN_US if old.lock_present else 0)
+        if ks.max_fence and now_us + 1000 <= need:  # (expiry is in whole ms)
+            what = "lock" if old.lock_present else "record or fence key"
+            raise self.violated(
+                "fence",
+                f"the {what} of {key} carrying fencing token {ks.max_fence} expired at server "
+                f"time {now_us}, {(need - now_us) / 1e6:.3f}s before the clock had passed the "
+                "token by the documented margin",
+            )
+        return "time"
 
     def _record_changed(
         self, key: str, ks: KeyState, old: KeyView, new: KeyView, ctx: _Ctx

@@ -264,6 +264,7 @@ class Result:
     unfinished: int = 0
     late_starts: int = 0
     excused_fences: int = 0
+    excused_by: Counter[str] = field(default_factory=Counter)
     reruns_after_loss: int = 0
 
     @property
@@ -712,6 +713,7 @@ class _Run:
         self.result.checks = self.checker.checks
         self.result.late_starts = self.checker.late_starts
         self.result.excused_fences = self.checker.excused_fences
+        self.result.excused_by = self.checker.excused_by
         self.result.reruns_after_loss = self.checker.reruns_after_loss
         for why, n in self.checker.marker_ends.items():
             self.result.publishes[f"marker {why}"] += n
@@ -862,6 +864,7 @@ class Campaign:
     unfinished: int = 0
     late_starts: int = 0
     excused_fences: int = 0
+    excused_by: Counter[str] = field(default_factory=Counter)
     reruns_after_loss: int = 0
     seconds: float = 0.0
 
@@ -876,6 +879,7 @@ class Campaign:
         self.unfinished += res.unfinished
         self.late_starts += res.late_starts
         self.excused_fences += res.excused_fences
+        self.excused_by.update(res.excused_by)
         self.reruns_after_loss += res.reruns_after_loss
         if res.failed:
             self.failures.append(res)
@@ -897,7 +901,9 @@ class Campaign:
             )
             + f"  documented outcomes: {self.reruns_after_loss} completed keys ran again after a "
             f"restart lost their record; {self.excused_fences} lower fencing tokens once no "
-            f"key carried the last one and the server clock had stepped back\n"
+            f"key carried the last one (a restart lost it, a forget, or it expired and the "
+            f"server clock then stepped back further than the documented margin: "
+            f"{dict(sorted(self.excused_by.items()))})\n"
             f"  bodies started on a lease that had already lapsed (no valid lease; commit "
             f"refused): {self.late_starts}; workers unfinished at the horizon: {self.unfinished}"
         )

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from celery_idempotent import _redis, _renewal
+from celery_idempotent import _redis, renewal
 
 from . import adapter
 
@@ -31,7 +31,7 @@ class Mutant:
     def renew(self, proc: Any) -> Any:
         if self.renew_edit is None:
             return None
-        return adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit, time=proc.time)
+        return adapter.recompile(renewal.LeaseKeeper._renew, self.renew_edit, time=proc.time)
 
     def check(self) -> None:
         """Raise unless every edit of this mutant applies to the library's current code."""
@@ -40,7 +40,7 @@ class Mutant:
             if all(self.script_edit(s) == s for s in sources):
                 raise ValueError(f"mutant {self.name}: its script edit matches no script")
         if self.renew_edit is not None:
-            adapter.recompile(_renewal.LeaseKeeper._renew, self.renew_edit)
+            adapter.recompile(renewal.LeaseKeeper._renew, self.renew_edit)
 
 
 def _sub(*alternatives: tuple[str, str], only: str | None = None) -> Callable[[str], str]:
@@ -76,6 +76,7 @@ MUTANTS = [
         "COMMIT writes the record and deletes the lock without checking the token",
         script_edit=_sub(
             (r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then", "if false then"),
+            (r"if not live then\n  local rec", "live = true\nif not live then\n  local rec"),
             only="COMMIT",
         ),
     ),
@@ -91,6 +92,11 @@ MUTANTS = [
             ),
             # v2: "if get ~= token then return 0 end; del; ..."
             (r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then return 0 end", ""),
+            # v2 with tombstones: "if not v then return 0 end ... if not live then return 0 end"
+            (
+                r"if not v then return 0 end(.*)if not live then return 0 end",
+                r"if not v then return 0 end\1live = true",
+            ),
             only="RELEASE",
         ),
     ),
@@ -100,6 +106,10 @@ MUTANTS = [
         script_edit=_sub(
             (r"math\.max\(last \+ 1, now\)", "last + 1"),  # v1
             (r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1)\)", r"\1"),  # v2
+            (  # v2 with tombstones
+                r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1), (last \+ 1)\)",
+                r"math.max(\1, \2)",
+            ),
         ),
     ),
     Mutant(
@@ -128,6 +138,26 @@ MUTANTS = [
 ]
 
 MUTANTS += [
+    Mutant(
+        "release-forgets-the-token",
+        "RELEASE deletes the lock (no tombstone): a server clock step back after it lowers "
+        "the next fencing token",
+        script_edit=_sub(
+            (
+                r"(local f = tonumber\(ARGV\[2\]\)\n)\nredis\.call\('set', KEYS\[1\][^\n]*\n",
+                r"\1redis.call('del', KEYS[1])\n",
+            ),
+            only="RELEASE",
+        ),
+    ),
+    Mutant(
+        "lease-key-without-margin",
+        "a claim's lock lives only as long as its lease: once it expires nothing keeps the token",
+        script_edit=_sub(
+            (r"(math\.floor\(f / 1000\) - ms\)) \+ \d+\)\n\n(if tonumber\(fs\))", r"\1)\n\n\2"),
+            only="CLAIM",
+        ),
+    ),
     Mutant(
         "publish-ignores-record",
         "PUBLISH does not see a committed record (the completed answer is gone)",

@@ -3,9 +3,9 @@
 The same random sequence of the library's own backend operations (claims, commits, renewals,
 releases, record writes, look-ups, deletes) runs against a real Redis and against the
 simulated server; every answer and the whole keyspace after every operation must agree, up
-to what differs by nature (random lease tokens, fencing tokens drawn from two different
-clocks, TTLs measured a few microseconds apart). This is what lets the simulation's verdicts
-stand for the real server.
+to what differs by nature (random lease tokens, fencing tokens and lease deadlines drawn from
+two different clocks, TTLs measured a few microseconds apart). This is what lets the
+simulation's verdicts stand for the real server.
 """
 
 from __future__ import annotations
@@ -72,10 +72,13 @@ class DirectClient:
 
 _TOKEN = re.compile(r"[0-9a-f]{24}@")
 _BIG = re.compile(r"\b1[0-9]{15}\b")
+#: A lease's deadline in server ms at the head of a lock's value.
+_DEADLINE = re.compile(r"^1[0-9]{12}/")
 
 
 def _norm(value: Any, tokens: dict[str, str]) -> Any:
-    """Random tokens -> T1, T2 ... in order of appearance; µs fencing tokens -> F."""
+    """Random tokens -> T1, T2 ... in order of appearance; µs fencing tokens -> F; a lock's
+    ms deadline -> D."""
     if isinstance(value, (list, tuple)):
         return [_norm(v, tokens) for v in value]
     if isinstance(value, dict):
@@ -88,7 +91,7 @@ def _norm(value: Any, tokens: dict[str, str]) -> Any:
         for tok in _TOKEN.findall(value):
             tokens.setdefault(tok, f"T{len(tokens) + 1}@")
             value = value.replace(tok, tokens[tok])
-        return _BIG.sub("F", value)
+        return _DEADLINE.sub("D/", _BIG.sub("F", value))
     return value
 
 

@@ -11,7 +11,7 @@ from celery_idempotent.settings import (
     DEFAULTS,
     NOT_SET,
     IdempotencySettings,
-    _validate,
+    check_setting,
     task_option_defaults,
 )
 
@@ -38,7 +38,7 @@ def test_every_setting_is_a_task_option_unset_on_the_base_class() -> None:
 
 @pytest.mark.parametrize("name", list(DEFAULTS))
 def test_each_check_accepts_the_default_and_names_the_setting_when_it_refuses(name: str) -> None:
-    assert _validate(name, DEFAULTS[name], task_name="t") == DEFAULTS[name]
+    assert check_setting(name, DEFAULTS[name], task_name="t") == DEFAULTS[name]
     with pytest.raises((TypeError, ValueError)) as caught:
-        _validate(name, object(), task_name="t")
+        check_setting(name, object(), task_name="t")
     assert f"{name} (task t)" in str(caught.value)

@@ -1,24 +1,10 @@
-"""Lease renewal: one keeper thread per process keeps every running body's lease alive.
+"""The lease keeper: one thread that runs the due renewals of every running body's lease.
 
 A thread per guarded call would cost a thread start on the hot path; one keeper with a heap of
-due renewals costs a heap push. Renewals happen every ``interval`` seconds (a third of the lease
-by default), so two renewals can fail in a row before a lease runs out.
-
-The keeper is a real OS thread, also under gevent and eventlet (made with the functions those
-libraries saved before patching, see :mod:`celery_idempotent._green`), and a Redis lock provider
-gives it a connection of its own with real sockets (``RedisLockProvider.renewer``): a body that
-blocks the event loop with Python code cannot starve the renewals of the other bodies of its
-worker, nor its own, because Python still switches threads every few milliseconds. Only a
-single C call that holds the GIL for longer than the lease can. A provider that offers no such
-renewer (a Cluster client, or TLS and Sentinel under gevent/eventlet) is renewed from a green
-keeper on the event loop, as before.
-
-Each renewal attempt waits at most the lease's remaining time. A lease that is lost (Redis
-answered "not ours", or renewals failed until it ran out) is logged once, with its cause, and
-the guard then refuses to commit (``LockLostError``). Under gevent/eventlet the keeper thread
-never calls ``logging`` itself (the handlers' locks are green locks of the event loop's thread):
-it queues its lines, and the event loop's side writes them (at the next guarded call, when the
-body ends, and about once a second).
+due renewals costs a heap push. :mod:`celery_idempotent.renewal` says which keeper a lease is
+kept on and why; this module is the keeper itself (:class:`LeaseKeeper`), one lease being kept
+(:class:`Renewal`), and the relay of the keeper's log lines to the event loop's side under
+gevent/eventlet (:func:`flush_log`).
 """
 
 from __future__ import annotations
@@ -33,18 +19,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import _green
+from celery_idempotent import green
 from celery_idempotent.protocols import Lease, LockProvider
 
 __all__ = [
     "LeaseKeeper",
+    "Renew",
     "Renewal",
     "claim_report",
     "flush_log",
-    "keep",
-    "keeper",
-    "renews_natively",
-    "stop",
+    "start_log_relay",
 ]
 
 log = logging.getLogger("celery_idempotent")
@@ -152,13 +136,13 @@ class LeaseKeeper:
 
     def __init__(self, *, native: bool = True) -> None:
         self.native = native
-        self._natives = _green.natives() if native else None
-        if self._natives is not None:
-            self._cond: Any = _NativeCondition(self._natives.allocate_lock)
+        self.natives = green.natives() if native else None
+        if self.natives is not None:
+            self._cond: Any = _NativeCondition(self.natives.allocate_lock)
         else:
             self._cond = threading.Condition(threading.Lock())
         # Under gevent/eventlet the OS thread must not call logging (see the module doc).
-        self._relay = self._natives is not None and self._natives.runtime is not None
+        self._relay = self.natives is not None and self.natives.runtime is not None
         self._heap: list[tuple[float, int, Renewal]] = []
         self._seq = itertools.count()
         self._running = False
@@ -204,8 +188,8 @@ class LeaseKeeper:
         renewal.cancelled = True
 
     def _start(self) -> None:
-        if self._natives is not None:
-            self._natives.start_new_thread(self._run, ())
+        if self.natives is not None:
+            self.natives.start_new_thread(self._run, ())
         else:
             threading.Thread(
                 target=self._run, name="celery-idempotent-lease-keeper", daemon=True
@@ -370,54 +354,11 @@ def _pump() -> None:  # pragma: no cover - runs as a greenlet for the life of th
         flush_log()
 
 
-def _start_pump() -> None:
+def start_log_relay() -> None:
     global _pump_started  # noqa: PLW0603 - once per process
     if not _pump_started:
         _pump_started = True
         threading.Thread(target=_pump, name="celery-idempotent-log-relay", daemon=True).start()
-
-
-_native_keeper: LeaseKeeper | None = None
-_green_keeper: LeaseKeeper | None = None
-
-
-def keeper() -> LeaseKeeper:
-    """The process's keeper on a real OS thread."""
-    global _native_keeper  # noqa: PLW0603 - one per process, made on first use
-    found = _native_keeper
-    if found is None or (found._natives is not None and found._natives is not _green.natives()):
-        # First use, or the process was patched after the keeper was made.
-        found = _native_keeper = LeaseKeeper(native=True)
-    return found
-
-
-def _green_keeper_() -> LeaseKeeper:
-    global _green_keeper  # noqa: PLW0603 - one per process, made on first use
-    if _green_keeper is None:
-        _green_keeper = LeaseKeeper(native=False)
-    return _green_keeper
-
-
-def keep(
-    provider: LockProvider,
-    lease: Lease,
-    ttl: float,
-    interval: float,
-    *,
-    label: str | None = None,
-) -> Renewal:
-    """Keep ``lease`` alive until :func:`stop`: on the OS-thread keeper with the provider's own
-    ``renewer()`` when it has one (or when no green runtime patched the process), else on the
-    green keeper."""
-    get_renewer = getattr(provider, "renewer", None)
-    renew: Renew | None = get_renewer() if callable(get_renewer) else None
-    runtime = _green.runtime()
-    if runtime is not None:
-        _start_pump()
-        flush_log()
-        if renew is None:
-            return _green_keeper_().keep(provider, lease, ttl, interval, label=label)
-    return keeper().keep(provider, lease, ttl, interval, renew=renew, label=label)
 
 
 def claim_report(renewal: Renewal) -> bool:
@@ -425,27 +366,9 @@ def claim_report(renewal: Renewal) -> bool:
     return next(renewal.loss_reports) == 0
 
 
-def stop(renewal: Renewal) -> None:
-    """Stop renewing ``renewal`` (and write any queued log lines of the keeper)."""
-    renewal.cancelled = True
-    if _pending:
-        flush_log()
-
-
-def renews_natively(provider: LockProvider) -> bool:
-    """Whether ``provider``'s leases are renewed from the OS-thread keeper in this process (not
-    from the event loop, where a blocking body can starve them)."""
-    if _green.runtime() is None:
-        return True
-    get_renewer = getattr(provider, "renewer", None)
-    return callable(get_renewer) and get_renewer() is not None
-
-
 def _reset_after_fork() -> None:
-    # The keeper threads do not survive fork, and their locks may have been held by them.
-    global _native_keeper, _green_keeper, _pump_started  # noqa: PLW0603 - per process
-    _native_keeper = None
-    _green_keeper = None
+    # The relay's greenlet does not survive fork; the parent's queued lines are its own.
+    global _pump_started  # noqa: PLW0603 - per process
     _pump_started = False
     _pending.clear()
 

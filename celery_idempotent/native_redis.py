@@ -1,6 +1,6 @@
 """A Redis connection for the lease keeper's thread: its own socket, a bound on every attempt.
 
-The keeper renews leases from a real OS thread (see :mod:`celery_idempotent._green`). It must
+The keeper renews leases from a real OS thread (see :mod:`celery_idempotent.green`). It must
 not share the body's connection pool: under gevent or eventlet those sockets belong to the hub
 of the worker's main thread, and a body that blocks that hub would block the renewals too. So
 each Redis lock provider gets one extra connection, used only by the keeper thread:
@@ -23,8 +23,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from celery_idempotent._green import Natives
 from celery_idempotent._redis import import_redis
+from celery_idempotent.green import Natives
 
 __all__ = ["NativeRedisCaller", "native_caller_for"]
 
