@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import secrets
 import threading
 import time
 from collections.abc import Callable
 
+from celery_idempotent.expiring import ExpiringMap
 from celery_idempotent.protocols import Lease
 from celery_idempotent.validate import check_duration
 
@@ -29,9 +29,7 @@ class MemoryLockProvider:
             raise TypeError(f"clock must be callable, not {type(clock).__name__} ({clock!r})")
         self._clock = clock
         self._lock = threading.Lock()
-        # resource -> (token, expires_at)
-        self._held: dict[str, tuple[str, float]] = {}
-        self._expiry: list[tuple[float, str, str]] = []  # (expires_at, resource, token)
+        self._held: ExpiringMap[str] = ExpiringMap()  # resource -> (token, expires_at)
         self._fence = itertools.count(1)
 
     def acquire(self, resource: str, ttl: float) -> Lease | None:
@@ -39,14 +37,12 @@ class MemoryLockProvider:
         ttl = check_duration("ttl", ttl)
         with self._lock:
             now = self._clock()
-            self._sweep(now)
+            self._held.sweep(now)
             held = self._held.get(resource)
             if held is not None and held[1] > now:
                 return None
             token = secrets.token_hex(16)
-            expires_at = now + ttl
-            self._held[resource] = (token, expires_at)
-            heapq.heappush(self._expiry, (expires_at, resource, token))
+            self._held.put(resource, token, now + ttl)
             return Lease(resource=resource, token=token, fencing_token=next(self._fence))
 
     def extend(self, lease: Lease, ttl: float) -> bool:
@@ -56,9 +52,7 @@ class MemoryLockProvider:
             now = self._clock()
             if not self._holds(lease, now):
                 return False
-            expires_at = now + ttl
-            self._held[lease.resource] = (lease.token, expires_at)
-            heapq.heappush(self._expiry, (expires_at, lease.resource, lease.token))
+            self._held.put(lease.resource, lease.token, now + ttl)
             return True
 
     def release(self, lease: Lease) -> bool:
@@ -66,7 +60,7 @@ class MemoryLockProvider:
         with self._lock:
             if not self._holds(lease, self._clock()):
                 return False
-            del self._held[lease.resource]
+            self._held.pop(lease.resource)
             return True
 
     def is_locked(self, resource: str) -> bool:
@@ -79,7 +73,6 @@ class MemoryLockProvider:
         """Forget every lock (fencing tokens keep increasing)."""
         with self._lock:
             self._held.clear()
-            self._expiry.clear()
 
     def __len__(self) -> int:
         """How many resources are held now (expired ones not yet swept may count)."""
@@ -88,16 +81,3 @@ class MemoryLockProvider:
     def _holds(self, lease: Lease, now: float) -> bool:
         held = self._held.get(lease.resource)
         return held is not None and held[0] == lease.token and held[1] > now
-
-    def _sweep(self, now: float) -> None:
-        # Each heap entry is one (resource, token, expiry) the map once had; it is dropped from
-        # the map only if the map still says exactly that (a later extend pushed a newer entry).
-        expiry = self._expiry
-        while expiry and expiry[0][0] <= now:
-            expires_at, resource, token = heapq.heappop(expiry)
-            if self._held.get(resource) == (token, expires_at):
-                del self._held[resource]
-        # Released locks and extensions leave stale heap entries; rebuild when they dominate.
-        if len(expiry) > 2 * len(self._held) + 1024:
-            self._expiry = [(exp, res, tok) for res, (tok, exp) in self._held.items()]
-            heapq.heapify(self._expiry)

@@ -581,3 +581,144 @@ def test_the_slot_comes_from_the_header_else_the_eta_else_the_clock(pub: ModuleT
     finally:
         tick_class.idempotency_window = None
         idem_settings.clear_cache()
+
+
+# --------------------------------------------------------------------------- kombu's Redis paths
+
+
+def _fresh_list(pub: ModuleType, name: str, *, queue: Any = None) -> str:
+    """The broker's list of the unconsumed queue ``name``, declared and empty."""
+    pub.charge.apply_async((tag(), 0), queue=queue if queue is not None else name)
+    broker_list = f"{pub.PREFIX}kombu:{name}"
+    pub.client().delete(broker_list)
+    return broker_list
+
+
+def _record(pub: ModuleType, *args: Any) -> str:
+    return keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for(args, {}))
+
+
+def test_a_stopped_duplicate_keeps_the_pooled_broker_connection(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate is stopped by an exception out of kombu's publish: it must not reach the
+    producer pool's context, which replaces (closes and reconnects) a producer that saw an
+    exception. So the publish after a stopped duplicate is still one EVALSHA, no reconnection."""
+    from kombu.resource import Resource
+
+    t = tag()
+    queue = f"{pub.QUEUE}-pool"
+    broker_list = _fresh_list(pub, queue)
+    replaced: list[Any] = []
+    original = Resource.replace
+    monkeypatch.setattr(
+        Resource,
+        "replace",
+        lambda self, resource: (replaced.append(resource), original(self, resource)),
+    )
+    first = pub.charge.apply_async((t, 1), queue=queue)
+    sent = _redis_commands(monkeypatch)
+    for _ in range(3):
+        assert pub.charge.apply_async((t, 1), queue=queue).id == first.id
+    assert pub.charge.apply_async((f"{t}-next", 1), queue=queue).id != first.id
+    assert replaced == []
+    assert sent == ["EVALSHA"] * 4  # no PING of a new connection, no queue declared again
+    assert pub.client().llen(broker_list) == 2
+    pub.client().delete(broker_list, _record(pub, t, 1), _record(pub, f"{t}-next", 1))
+
+
+def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
+    """Pins kombu: for each priority (kombu's Redis transport keeps one list per priority
+    step, ``queue\\x06\\x16<step>``) under the app's ``global_keyprefix``, the list name and
+    bytes the script would push are those kombu's own ``Channel._put`` pushes. A kombu that
+    changes its ``_put`` fails here, not in production."""
+    from kombu.transport import redis as kombu_redis
+
+    from celery_idempotent import _publish_redis
+
+    assert _publish_redis.install()
+    assert _publish_redis.kombu_problem(kombu_redis) is None
+    own_put = kombu_redis.Channel._put.__wrapped__  # type: ignore[attr-defined]
+    store = pub.charge.idempotency_guard().store
+    queue = f"{pub.QUEUE}-pin-{tag()}"
+    with pub.app.producer_or_acquire() as producer:
+        channel = producer.channel
+        for priority in (None, 0, 1, 4, 6, 9, 255):
+            message = {
+                "body": "e30=",
+                "headers": {"id": tag(), "task": "pub.charge"},
+                "properties": {"priority": priority, "delivery_info": {}},
+            }
+            push = _publish_redis.fused_push(channel, queue, message, store)
+            assert push is not None
+            before = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            own_put(channel, queue, message)
+            after = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            (name,) = after - before or before
+            assert push[0] == name.decode()
+            assert pub.client().lpop(name) == (
+                push[1].encode() if isinstance(push[1], str) else push[1]
+            )
+    # What the script relies on, read from kombu's source shape.
+    assert (
+        _publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
+    )
+
+    class NewPut:
+        def _put(self, queue: str, message: Any, client: Any = None, **kwargs: Any) -> None: ...
+        def _q_for_pri(self, queue: str, pri: int) -> str: ...
+        def _get_message_priority(self, message: Any, reverse: bool = False) -> int: ...
+
+    problem = _publish_redis.kombu_problem(type("M", (), {"Channel": NewPut, "dumps": len}))
+    assert problem is not None
+    assert "_put" in problem
+
+
+def test_a_kombu_channel_without_expires_still_fuses(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu 5.5 and 5.6 (both supported) have no ``Channel._expires`` (``x-expires`` came
+    with 5.7): the check and the push are still one script, not an AttributeError."""
+    t = tag()
+    queue = f"{pub.QUEUE}-k56"
+    broker_list = _fresh_list(pub, queue)
+    with pub.app.producer_or_acquire() as producer:
+        saved = producer.channel.__dict__.pop("_expires")
+        try:
+            sent = _redis_commands(monkeypatch)
+            first = pub.charge.apply_async((t, 2), queue=queue, producer=producer)
+            assert sent == ["EVALSHA"]
+            assert pub.charge.apply_async((t, 2), queue=queue, producer=producer).id == first.id
+        finally:
+            producer.channel._expires = saved
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list, _record(pub, t, 2))
+
+
+def test_a_channel_that_cannot_name_the_list_falls_back_to_check_then_push(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kombu whose channel no longer names the list as the script expects: the check runs
+    alone and kombu pushes the message itself (never lost, never unchecked)."""
+    from kombu.transport import redis as kombu_redis
+
+    t = tag()
+    queue = f"{pub.QUEUE}-newkombu"
+    broker_list = _fresh_list(pub, queue)
+
+    own = kombu_redis.Channel._q_for_pri
+
+    def q_for_pri(self: Any, queue: str, pri: Any) -> str:
+        if sys._getframe(1).f_globals.get("__name__") != "kombu.transport.redis":
+            raise AttributeError("_q_for_pri is gone")  # for the hook; kombu's _put has its own
+        return str(own(self, queue, pri))
+
+    monkeypatch.setattr(kombu_redis.Channel, "_q_for_pri", q_for_pri)
+    sent = _redis_commands(monkeypatch)
+    first = pub.charge.apply_async((t, 3), queue=queue)
+    assert sent == ["EVALSHA", "LPUSH"]  # the check, then kombu's own push
+    sent.clear()
+    assert pub.charge.apply_async((t, 3), queue=queue).id == first.id
+    assert sent == ["EVALSHA"]
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list, _record(pub, t, 3))

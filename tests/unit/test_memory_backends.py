@@ -95,7 +95,7 @@ def test_store_memory_stays_bounded_under_endless_distinct_keys(clock):
         if i % 10_000 == 0:
             assert len(store) <= 102
     assert len(store) <= 102
-    assert len(store._expiry) <= 2 * 102 + 1024  # white box: the expiry heap is bounded too
+    assert store._records.heap_size() <= 2 * 102 + 1024  # white box: the expiry heap is bounded too
 
 
 def test_store_memory_stays_bounded_when_one_key_is_overwritten_forever(clock):
@@ -106,7 +106,7 @@ def test_store_memory_stays_bounded_when_one_key_is_overwritten_forever(clock):
     assert len(store) == 1
     assert store.get("hot").result == 49_999
     # White box: stale heap entries for the overwritten key must be compacted away.
-    assert len(store._expiry) <= 2 * 1 + 1024 + 1
+    assert store._records.heap_size() <= 2 * 1 + 1024 + 1
 
 
 def test_store_clear(store):
@@ -247,7 +247,7 @@ def test_lock_memory_stays_bounded_under_endless_distinct_resources(clock):
             provider.extend(lease, 1.0)
         clock.advance(0.01)
     assert len(provider) <= 102
-    assert len(provider._expiry) <= 3 * 102  # white box: the expiry heap is bounded too
+    assert provider._held.heap_size() <= 3 * 102  # white box: the expiry heap is bounded too
 
 
 def test_lock_is_thread_safe_one_winner_per_round():
