@@ -19,12 +19,13 @@ passes through ``Channel._put`` is pushed by kombu's own code, untouched.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from celery_idempotent import _redis
+from celery_idempotent import redis_client
 from celery_idempotent.exceptions import IdempotencyConnectionError
 from celery_idempotent.stores.redis import PublishDecision, RedisIdempotencyStore
 
@@ -34,9 +35,11 @@ __all__ = [
     "arm",
     "can_fuse",
     "disarm",
+    "fused_push",
     "goes_through",
     "install",
     "is_redis_transport",
+    "kombu_problem",
 ]
 
 log = logging.getLogger("celery_idempotent")
@@ -58,6 +61,9 @@ class Pending:
     taken: bool = False
     #: The message was pushed by the check's own script (one round trip for both).
     fused: bool = False
+    #: The message reached the broker (by the script or by kombu's own push): a failure
+    #: after this point leaves the marker, which names a message that is queued.
+    pushed: bool = False
 
 
 class Stopped(Exception):
@@ -102,21 +108,67 @@ def is_redis_transport(transport_cls: Any) -> bool:
 def install() -> bool:
     """Wrap kombu's Redis ``Channel._put`` and ``_put_fanout`` once per process (a wrapper
     that calls kombu's own unless this context armed a check for the message); ``False`` when
-    kombu's Redis transport cannot be imported."""
-    global _installed  # noqa: PLW0603 - once per process
+    kombu's Redis transport cannot be imported. A kombu whose ``_put`` is not the one the
+    fused script was written against (:func:`kombu_problem`) is wrapped all the same, and
+    every check then runs alone before kombu's own push (a WARNING says why)."""
+    global _installed, _fuse_problem  # noqa: PLW0603 - once per process
     if _installed:
         return True
     try:
-        from kombu.transport import redis as kombu_redis  # noqa: PLC0415 - optional
+        kombu_redis = _kombu_redis()
     except ImportError:  # pragma: no cover
         return False
     with _install_lock:
         if not _installed:
+            _fuse_problem = kombu_problem(kombu_redis)
+            if _fuse_problem is not None:
+                log.warning(
+                    "celery-idempotent: publish-side checks take their own round trip before "
+                    "kombu's push: %s",
+                    _fuse_problem,
+                )
             channel = kombu_redis.Channel
             setattr(channel, "_put", _hook(channel._put, fusable=True))  # noqa: B010
             setattr(channel, "_put_fanout", _hook(channel._put_fanout, fusable=False))  # noqa: B010
             _installed = True
     return True
+
+
+#: The parameters of kombu's ``Channel._put`` that the fused script reproduces (kombu 5.5 to
+#: 5.7: the list of the message's priority, ``LPUSH``-ed, JSON as the module's ``dumps``).
+_PUT_PARAMETERS = ("self", "queue", "message", "kwargs")
+#: Why kombu's ``_put`` is not reproduced by the script (set by :func:`install`).
+_fuse_problem: str | None = None
+
+
+def kombu_problem(module: Any) -> str | None:
+    """Why the store's script cannot push for ``module`` (kombu's ``kombu.transport.redis``),
+    or ``None``: its ``Channel._put(self, queue, message, **kwargs)`` and the helpers the
+    script's list name and encoding come from are there. ``tests/unit`` pins the rest: the
+    script pushes what kombu's own ``_put`` pushes, byte for byte."""
+    channel: Any = getattr(module, "Channel", None)
+    try:
+        signature = inspect.signature(inspect.unwrap(channel._put))
+    except (AttributeError, TypeError, ValueError):
+        return "kombu's Redis transport has no Channel._put"
+    parameters = list(signature.parameters.values())
+    if (
+        tuple(parameter.name for parameter in parameters) != _PUT_PARAMETERS
+        or parameters[-1].kind is not inspect.Parameter.VAR_KEYWORD
+    ):
+        return f"kombu's Channel._put{signature} is not _put(self, queue, message, **kwargs)"
+    for name in ("_get_message_priority", "_q_for_pri"):
+        if not callable(getattr(channel, name, None)):
+            return f"kombu's Redis Channel has no {name}"
+    if not callable(getattr(module, "dumps", None)):
+        return "kombu.transport.redis has no dumps"
+    return None
+
+
+def _kombu_redis() -> Any:
+    from kombu.transport import redis as kombu_redis  # noqa: PLC0415 - optional
+
+    return kombu_redis
 
 
 def can_fuse(channel: Any, store: RedisIdempotencyStore) -> bool:
@@ -126,10 +178,10 @@ def can_fuse(channel: Any, store: RedisIdempotencyStore) -> bool:
     found = cache.get(id(store.client))
     if found is None or found[0] is not store.client:
         # A client over the channel's own pool (kombu publishes with one of these).
-        broker = _redis.import_redis().Redis(connection_pool=channel.pool)
+        broker = redis_client.import_redis().Redis(connection_pool=channel.pool)
         found = cache[id(store.client)] = (
             store.client,
-            _redis.why_not_same_server(store.client, broker) is None,
+            redis_client.why_not_same_server(store.client, broker) is None,
         )
     return bool(found[1])
 
@@ -137,20 +189,20 @@ def can_fuse(channel: Any, store: RedisIdempotencyStore) -> bool:
 def _hook(original: Any, *, fusable: bool) -> Any:
     def put(channel: Any, queue_or_exchange: str, message: Any, *args: Any, **kwargs: Any) -> Any:
         pending = _armed.get()
-        if pending is None or pending.taken or not _is_the_message(message, pending):
+        if pending is None or not _is_the_message(message, pending):
             return original(channel, queue_or_exchange, message, *args, **kwargs)
+        if pending.decision is not None:
+            # Checked already: kombu pushes the message to another queue bound to the
+            # exchange, or retries the publish after a connection error. The same decision.
+            if not goes_through(pending.decision, pending.task_id):  # pragma: no cover
+                raise Stopped(pending.decision.action)
+            result = original(channel, queue_or_exchange, message, *args, **kwargs)
+            pending.pushed = True
+            return result
         pending.taken = True
         push = None
-        if (
-            fusable
-            and not args
-            and kwargs.get("_publish_batch") is None
-            and not (channel._expires and queue_or_exchange in channel._expires)
-            and can_fuse(channel, pending.store)
-        ):
-            priority = channel._get_message_priority(message, reverse=False)
-            name = channel._q_for_pri(queue_or_exchange, priority)
-            push = ((channel.global_keyprefix or "") + name, _dumps(message))
+        if fusable and not args and kwargs.get("_publish_batch") is None:
+            push = fused_push(channel, queue_or_exchange, message, pending.store)
         try:
             decision = pending.store.check_publish(
                 pending.record,
@@ -162,15 +214,19 @@ def _hook(original: Any, *, fusable: bool) -> Any:
             )
         except IdempotencyConnectionError as exc:
             # Publishing without the check is safe (the worker's guard decides); kombu's push
-            # then fails or goes through as a plain publish would.
+            # then fails (and kombu's retry checks again) or goes through as a plain publish.
             log.warning("publish-side check skipped, Redis unreachable: %s", exc)
-            return original(channel, queue_or_exchange, message, *args, **kwargs)
+            result = original(channel, queue_or_exchange, message, *args, **kwargs)
+            pending.pushed = True
+            return result
         pending.decision = decision
         if decision.action == "publish" and push is not None:
-            pending.fused = True
+            pending.pushed = pending.fused = True
             return None
         if goes_through(decision, pending.task_id):
-            return original(channel, queue_or_exchange, message, *args, **kwargs)
+            result = original(channel, queue_or_exchange, message, *args, **kwargs)
+            pending.pushed = True
+            return result
         raise Stopped(decision.action)
 
     put.__wrapped__ = original  # type: ignore[attr-defined]
@@ -179,12 +235,30 @@ def _hook(original: Any, *, fusable: bool) -> Any:
     return put
 
 
-def _dumps(message: Any) -> Any:
-    """The message as kombu's Redis transport pushes it (``kombu.utils.json.dumps``)."""
-    from kombu.utils import json as kombu_json  # noqa: PLC0415 - kombu's own encoding
-
-    encode: Any = kombu_json.dumps
-    return encode(message)
+def fused_push(
+    channel: Any, queue: str, message: Any, store: RedisIdempotencyStore
+) -> tuple[str, Any] | None:
+    """``(list name, encoded message)`` that kombu's ``Channel._put`` would ``LPUSH`` for
+    ``message`` to ``queue`` (its priority's list, under ``global_keyprefix``), when the
+    store's script can push it instead: kombu's transport is the one this was written against
+    (:func:`kombu_problem`), the channel reaches the store's Redis and database, and the queue
+    has no ``x-expires`` (kombu pushes those with a ``PEXPIRE`` of every priority's list).
+    ``None``: the check runs alone and kombu pushes the message itself."""
+    if _fuse_problem is not None:
+        return None
+    expires = getattr(channel, "_expires", None)  # kombu >= 5.7 only
+    if expires and queue in expires:
+        return None
+    try:
+        if not can_fuse(channel, store):
+            return None
+        priority = channel._get_message_priority(message, reverse=False)
+        name = channel._q_for_pri(queue, priority)
+        name = (channel.global_keyprefix or "") + name
+    except (AttributeError, TypeError, ValueError) as exc:  # a kombu this was not written for
+        log.warning("publish-side check and push not fused (kombu's channel: %r)", exc)
+        return None
+    return (name, _kombu_redis().dumps(message))  # a message kombu cannot encode: raised
 
 
 def _is_the_message(message: Any, pending: Pending) -> bool:

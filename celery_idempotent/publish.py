@@ -50,8 +50,9 @@ log = logging.getLogger("celery_idempotent")
 #: is (a deduplicated chord header would hang the chord); the run-time guard replays it.
 _CANVAS_OPTIONS = ("chain", "group_id", "chord", "group_index")
 
-#: Sends the message: ``send(task_id, options)`` is Celery's own ``apply_async`` of the call.
-Send = Callable[[Any, dict[str, Any]], Any]
+#: Sends the message: ``send(task_id, options, producer)`` is Celery's own ``apply_async`` of
+#: the call (``producer``: the caller's, or ``None`` for one from the app's pool).
+Send = Callable[[Any, dict[str, Any], Any], Any]
 
 
 class _Check(NamedTuple):
@@ -88,7 +89,7 @@ def publish(
     producer: Any = None,
 ) -> Any:
     """Publish a call of ``task`` unless it is a duplicate (see ``IdempotentTask.apply_async``):
-    ``send(task_id, options)`` publishes it (with ``producer``, the caller's or ``None``)."""
+    ``send(task_id, options, producer)`` publishes it (``producer``: the caller's or ``None``)."""
     options = dict(options)
     policy = options.pop("idempotency_on_duplicate_publish", None)
     if policy is not None and policy not in DUPLICATE_PUBLISH_POLICIES:
@@ -104,14 +105,16 @@ def publish(
     if plan.result is not None:
         return plan.result
     if plan.check is None or plan.task_id is None:
-        return send(plan.task_id or task_id, options)
+        return send(plan.task_id or task_id, options, producer)
     if _through_redis_broker(task.app, options, producer) and _publish_redis.install():
-        return _checked_publish(task, plan.task_id, plan.check, options, send)
+        return _checked_publish(
+            task, plan.task_id, plan.check, options, send=send, producer=producer
+        )
     decision = _check(task, plan.task_id, plan.check)
     if decision is not None and not _publish_redis.goes_through(decision, plan.task_id):
         return _duplicate_publish(task, plan.check, decision)
     try:
-        return send(plan.task_id, options)
+        return send(plan.task_id, options, producer)
     except BaseException:
         if decision is not None:
             _drop_marker(task, plan.task_id, plan.check, decision)
@@ -119,7 +122,13 @@ def publish(
 
 
 def _checked_publish(
-    task: IdempotentTask, task_id: str, check: _Check, options: dict[str, Any], send: Send
+    task: IdempotentTask,
+    task_id: str,
+    check: _Check,
+    options: dict[str, Any],
+    *,
+    send: Send,
+    producer: Any,
 ) -> Any:
     """Publish through kombu's Redis transport with the check where kombu pushes the message
     (``_publish_redis``): one round trip for both when the broker is the store's Redis."""
@@ -127,25 +136,38 @@ def _checked_publish(
         check.store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
     )
     token = _publish_redis.arm(pending)
+    stopped = False
     try:
-        result = send(task_id, options)
-    except _publish_redis.Stopped:
-        decision = pending.decision
-        if decision is None:  # pragma: no cover - Stopped always carries its decision
-            raise
-        _forget_result_subscription(task, task_id)
-        return _duplicate_publish(task, check, decision)
+        # The producer is taken from the pool here rather than in Celery's send_task: a
+        # duplicate is stopped by an exception out of kombu's publish, and a pooled producer
+        # that sees an exception is replaced (its connection closed, the fanout queues its
+        # channel declared unbound), which a stopped duplicate must not cost.
+        with task.app.producer_or_acquire(producer) as acquired:
+            try:
+                result = send(task_id, options, acquired)
+            except _publish_redis.Stopped:
+                stopped = True
     except BaseException:
-        # The publish failed: remove the marker the check set, or may have set (a script that
-        # failed after its marker, at the push, or whose reply was lost: the marker names
-        # this call's task id, so no other call's marker is touched).
-        if pending.decision is not None:
+        # The publish failed before its message reached the broker: remove the marker the
+        # check set, or may have set (a script that failed after its marker, at the push, or
+        # whose reply was lost: the marker names this call's task id, so no other call's
+        # marker is touched). Failed after the push (a task-sent event, say): the marker
+        # stays, it names a queued message.
+        if pending.pushed:
+            pass
+        elif pending.decision is not None:
             _drop_marker(task, task_id, check, pending.decision)
         elif pending.taken:
             _drop_marker(task, task_id, check, PublishDecision("publish"))
         raise
     finally:
         _publish_redis.disarm(token)
+    if stopped:
+        decision = pending.decision
+        if decision is None:  # pragma: no cover - Stopped always carries its decision
+            raise IdempotencyBackendError(check.key, "a stopped publish without its decision")
+        _forget_result_subscription(task, task_id)
+        return _duplicate_publish(task, check, decision)
     if not pending.taken:  # pragma: no cover - every Redis publish passes kombu's _put
         log.debug("%s[%s] published without the publish-side check", task.name, task_id)
     return result

@@ -162,7 +162,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
             link=link,
             link_error=link_error,
             options=options,
-            send=lambda task_id, options: super(IdempotentTask, self).apply_async(
+            send=lambda task_id, options, producer: super(IdempotentTask, self).apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             ),
             producer=producer,

@@ -7,6 +7,8 @@ test counts the messages in the broker with ``LLEN`` while no worker consumes th
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import subprocess
 import sys
@@ -581,3 +583,402 @@ def test_the_slot_comes_from_the_header_else_the_eta_else_the_clock(pub: ModuleT
     finally:
         tick_class.idempotency_window = None
         idem_settings.clear_cache()
+
+
+# --------------------------------------------------------------------------- kombu's Redis paths
+
+
+def _fresh_list(pub: ModuleType, name: str, *, queue: Any = None) -> str:
+    """The broker's list of the unconsumed queue ``name``, declared and empty."""
+    pub.charge.apply_async((tag(), 0), queue=queue if queue is not None else name)
+    broker_list = f"{pub.PREFIX}kombu:{name}"
+    pub.client().delete(broker_list)
+    return broker_list
+
+
+def _record(pub: ModuleType, *args: Any) -> str:
+    return keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for(args, {}))
+
+
+def test_a_stopped_duplicate_keeps_the_pooled_broker_connection(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate is stopped by an exception out of kombu's publish: it must not reach the
+    producer pool's context, which replaces (closes and reconnects) a producer that saw an
+    exception. So the publish after a stopped duplicate is still one EVALSHA, no reconnection."""
+    from kombu.resource import Resource
+
+    t = tag()
+    queue = f"{pub.QUEUE}-pool"
+    broker_list = _fresh_list(pub, queue)
+    replaced: list[Any] = []
+    original = Resource.replace
+    monkeypatch.setattr(
+        Resource,
+        "replace",
+        lambda self, resource: (replaced.append(resource), original(self, resource)),
+    )
+    first = pub.charge.apply_async((t, 1), queue=queue)
+    sent = _redis_commands(monkeypatch)
+    for _ in range(3):
+        assert pub.charge.apply_async((t, 1), queue=queue).id == first.id
+    assert pub.charge.apply_async((f"{t}-next", 1), queue=queue).id != first.id
+    assert replaced == []
+    assert sent == ["EVALSHA"] * 4  # no PING of a new connection, no queue declared again
+    assert pub.client().llen(broker_list) == 2
+    pub.client().delete(broker_list, _record(pub, t, 1), _record(pub, f"{t}-next", 1))
+
+
+def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
+    """Pins kombu: for each priority (kombu's Redis transport keeps one list per priority
+    step, ``queue\\x06\\x16<step>``) under the app's ``global_keyprefix``, the list name and
+    bytes the script would push are those kombu's own ``Channel._put`` pushes. A kombu that
+    changes its ``_put`` fails here, not in production."""
+    from kombu.transport import redis as kombu_redis
+
+    from celery_idempotent import _publish_redis
+
+    assert _publish_redis.install()
+    assert _publish_redis.kombu_problem(kombu_redis) is None
+    own_put = kombu_redis.Channel._put.__wrapped__  # type: ignore[attr-defined]
+    store = pub.charge.idempotency_guard().store
+    queue = f"{pub.QUEUE}-pin-{tag()}"
+    with pub.app.producer_or_acquire() as producer:
+        channel = producer.channel
+        for priority in (None, 0, 1, 4, 6, 9, 255):
+            message = {
+                "body": "e30=",
+                "headers": {"id": tag(), "task": "pub.charge"},
+                "properties": {"priority": priority, "delivery_info": {}},
+            }
+            push = _publish_redis.fused_push(channel, queue, message, store)
+            assert push is not None
+            before = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            own_put(channel, queue, message)
+            after = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            (name,) = after - before or before
+            assert push[0] == name.decode()
+            assert pub.client().lpop(name) == (
+                push[1].encode() if isinstance(push[1], str) else push[1]
+            )
+    # What the script relies on, read from kombu's source shape.
+    assert (
+        _publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
+    )
+
+    class NewPut:
+        def _put(self, queue: str, message: Any, client: Any = None, **kwargs: Any) -> None: ...
+        def _q_for_pri(self, queue: str, pri: int) -> str: ...
+        def _get_message_priority(self, message: Any, reverse: bool = False) -> int: ...
+
+    problem = _publish_redis.kombu_problem(type("M", (), {"Channel": NewPut, "dumps": len}))
+    assert problem is not None
+    assert "_put" in problem
+
+
+def test_a_kombu_channel_without_expires_still_fuses(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu 5.5 and 5.6 (both supported) have no ``Channel._expires`` (``x-expires`` came
+    with 5.7): the check and the push are still one script, not an AttributeError."""
+    t = tag()
+    queue = f"{pub.QUEUE}-k56"
+    broker_list = _fresh_list(pub, queue)
+    with pub.app.producer_or_acquire() as producer:
+        saved = producer.channel.__dict__.pop("_expires")
+        try:
+            sent = _redis_commands(monkeypatch)
+            first = pub.charge.apply_async((t, 2), queue=queue, producer=producer)
+            assert sent == ["EVALSHA"]
+            assert pub.charge.apply_async((t, 2), queue=queue, producer=producer).id == first.id
+        finally:
+            producer.channel._expires = saved
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list, _record(pub, t, 2))
+
+
+def test_a_channel_that_cannot_name_the_list_falls_back_to_check_then_push(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kombu whose channel no longer names the list as the script expects: the check runs
+    alone and kombu pushes the message itself (never lost, never unchecked)."""
+    from kombu.transport import redis as kombu_redis
+
+    t = tag()
+    queue = f"{pub.QUEUE}-newkombu"
+    broker_list = _fresh_list(pub, queue)
+
+    own = kombu_redis.Channel._q_for_pri
+
+    def q_for_pri(self: Any, queue: str, pri: Any) -> str:
+        if sys._getframe(1).f_globals.get("__name__") != "kombu.transport.redis":
+            raise AttributeError("_q_for_pri is gone")  # for the hook; kombu's _put has its own
+        return str(own(self, queue, pri))
+
+    monkeypatch.setattr(kombu_redis.Channel, "_q_for_pri", q_for_pri)
+    sent = _redis_commands(monkeypatch)
+    first = pub.charge.apply_async((t, 3), queue=queue)
+    assert sent == ["EVALSHA", "LPUSH"]  # the check, then kombu's own push
+    sent.clear()
+    assert pub.charge.apply_async((t, 3), queue=queue).id == first.id
+    assert sent == ["EVALSHA"]
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list, _record(pub, t, 3))
+
+
+def test_a_fanout_exchange_is_checked_then_published_by_kombu(pub: ModuleType) -> None:
+    """A Broadcast queue (a fanout exchange: kombu's Redis transport PUBLISHes the message to
+    a pub/sub topic): the check runs alone, kombu publishes once; the duplicate is stopped
+    without unbinding the queue (a producer closed by the stop would delete the fanout
+    bindings its channel declared)."""
+    from kombu.common import Broadcast
+
+    t = tag()
+    name = f"{pub.QUEUE}-bcast-{t}"
+    broadcast = Broadcast(name)
+    listener = pub.client().pubsub()
+    listener.psubscribe(f"{pub.PREFIX}kombu:/*.{name}*")
+    listener.get_message(timeout=2)  # the psubscribe confirmation
+    binding = f"{pub.PREFIX}kombu:_kombu.binding.{name}"
+    try:
+        first = pub.charge.apply_async((t, 5), queue=broadcast, declare=[broadcast])
+        members = pub.client().smembers(binding)
+        assert members
+        again = pub.charge.apply_async((t, 5), queue=broadcast, declare=[broadcast])
+        assert again.id == first.id
+        assert pub.client().smembers(binding) == members  # still bound
+        heard = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the message, then 0.3 s for a second one
+            message = listener.get_message(timeout=0.3 if heard else 1.0)
+            if message is not None and message["type"] == "pmessage":
+                heard.append(message["data"])
+            elif heard:
+                break
+        assert len(heard) == 1
+        assert f'"id": "{first.id}"'.encode() in heard[0]
+        assert keyspace.parse_queued(pub.client().get(_record(pub, t, 5)))[0] == first.id  # type: ignore[index]
+    finally:
+        listener.close()
+        pub.client().delete(binding, _record(pub, t, 5))
+
+
+def test_an_x_expires_queue_is_checked_then_pushed_by_kombu(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue with ``x-expires``: kombu pushes with a PEXPIRE of every priority list, so the
+    check runs alone and kombu pushes (the list gets its expiry); the duplicate is stopped."""
+    from kombu import Queue
+
+    t = tag()
+    queue = Queue(f"{pub.QUEUE}-expires", expires=120)
+    broker_list = _fresh_list(pub, queue.name, queue=queue)
+    sent = _redis_commands(monkeypatch)
+    first = pub.charge.apply_async((t, 6), queue=queue)
+    assert sent == ["EVALSHA"]  # the check; kombu's LPUSH + PEXPIREs go in its pipeline
+    assert pub.client().llen(broker_list) == 1
+    assert 0 < pub.client().pttl(broker_list) <= 120_000
+    assert pub.charge.apply_async((t, 6), queue=queue).id == first.id
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list, _record(pub, t, 6))
+
+
+def test_priorities_and_countdowns_go_where_kombu_puts_them(
+    pub: ModuleType, worker: WorkerGroup
+) -> None:
+    """A priority goes to its priority step's list (``queue\\x06\\x16<step>``), as a plain
+    ``send_task`` of the same priority; a countdown's message is in the queue as any other.
+    With the worker: each runs once, and its duplicates are stopped at publish."""
+    t = tag()
+    queue = f"{pub.QUEUE}-pri-{t}"
+    for priority in (None, 0, 5, 9):
+        pub.charge.apply_async((f"{t}-{priority}", 1), queue=queue, priority=priority)
+        pub.app.send_task("pub.charge", (f"{t}-{priority}", 2), queue=queue, priority=priority)
+    where: dict[str, str] = {}
+    lists = list(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+    for key in lists:
+        for raw in pub.client().lrange(key, 0, -1):
+            where[json.loads(raw)["headers"]["argsrepr"]] = key.decode()
+    assert len(where) == 8
+    for priority in (None, 0, 5, 9):
+        assert where[repr((f"{t}-{priority}", 1))] == where[repr((f"{t}-{priority}", 2))]
+    assert where[repr((f"{t}-None", 1))] == f"{pub.PREFIX}kombu:{queue}"
+    assert where[repr((f"{t}-9", 1))] == f"{pub.PREFIX}kombu:{queue}\x06\x169"
+    pub.client().delete(*lists)
+
+    # With the worker: priorities and a countdown, each once.
+    results = [
+        pub.charge.apply_async((f"{t}-w{priority}", 3), priority=priority) for priority in (0, 9)
+    ]
+    late = pub.charge.apply_async((f"{t}-late", 3), countdown=1)
+    assert pub.charge.apply_async((f"{t}-late", 3), countdown=5).id == late.id
+    assert pub.charge.apply_async((f"{t}-w9", 3), priority=9).id == results[1].id
+    for result in [*results, late]:
+        assert result.get(timeout=TIMEOUT)["run"] == 1
+    assert pub.charge.apply_async((f"{t}-late", 3)).get(timeout=1)["run"] == 1  # replayed
+
+
+def test_a_sentinel_broker_checks_and_pushes_in_one_script(
+    redis_sentinel: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``sentinel://`` broker (kombu's SentinelTransport), the store following it to the
+    master: the check and the push are one script on the master, under the broker's
+    ``global_keyprefix``; kombu reads the message back from its queue; duplicates stopped."""
+    from celery import Celery
+
+    from celery_idempotent import IdempotentTask
+
+    host, port = redis_sentinel.sentinel_hosts[0]
+    app = Celery("sentinel_pub", set_as_current=False)
+    app.conf.update(
+        broker_url=f"sentinel://{host}:{port}/0",
+        broker_transport_options={
+            "master_name": redis_sentinel.master_name,
+            "global_keyprefix": "sp:",
+        },
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        idempotency_key_prefix="sp:idem:",
+    )
+
+    @app.task(base=IdempotentTask, shared=False, name="sp.charge")
+    def charge(tag: str, amount: int) -> int:
+        return amount
+
+    master = redis_sentinel.master_client()
+    try:
+        charge.apply_async(("warm", 0), queue="spq")  # connected, the queue declared
+        master.delete("sp:spq")
+        sent = _redis_commands(monkeypatch)
+        first = charge.apply_async(("a", 1), queue="spq")
+        assert "EVALSHA" in sent
+        assert "LPUSH" not in sent  # pushed by the script
+        assert charge.apply_async(("a", 1), queue="spq").id == first.id
+        assert charge.apply_async(("a", 1), queue="spq", task_id="other").id == first.id
+        assert master.llen("sp:spq") == 1
+        with app.connection_for_read() as connection:
+            message = connection.default_channel.basic_get("spq", no_ack=True)
+            assert message is not None
+            assert message.headers["id"] == first.id
+    finally:
+        app.close()
+        reset_backends()
+
+
+def test_tasks_on_green_pools_publish_without_swapping_their_checks(
+    pub: ModuleType, start: Callable[..., WorkerGroup]
+) -> None:
+    """On a gevent and an eventlet worker (started side by side), eight tasks at once each
+    publish, from inside the task, the same call and calls of their own, with greenlet
+    switches in between (the check's round trip is one): each greenlet's armed check stays its
+    own (a context variable per greenlet), so the shared call is one message with one id, and
+    every message in the queue carries the id its publisher got, under the marker of its own
+    arguments. (A check armed per process instead fails here: ids swap.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pools = ("gevent", "eventlet")
+    with ThreadPoolExecutor(2) as starter:
+        groups = list(
+            starter.map(
+                lambda pool: start(pool=pool, concurrency=8, queues=[f"{pub.QUEUE}-{pool}"]),
+                pools,
+            )
+        )
+    try:
+        for pool in pools:
+            _check_green_pool(pub, pool)
+    finally:
+        for group in groups:
+            group.stop()
+
+
+def _check_green_pool(pub: ModuleType, pool: str) -> None:
+    t = tag()
+    target = f"{pub.QUEUE}-{pool}-out"
+    broker_list = _fresh_list(pub, target)
+    results = [
+        pub.fan_out.apply_async((t, n, target), queue=f"{pub.QUEUE}-{pool}") for n in range(8)
+    ]
+    got = [result.get(timeout=TIMEOUT) for result in results]
+    ids: dict[str, set[str]] = {}
+    for pairs in got:
+        for own, task_id in pairs:
+            ids.setdefault(own, set()).add(task_id)
+    assert len(ids) == 1 + 8 * 3
+    assert all(len(found) == 1 for found in ids.values()), (pool, ids)
+    headers = [json.loads(raw)["headers"] for raw in pub.client().lrange(broker_list, 0, -1)]
+    assert len(headers) == 1 + 8 * 3, pool
+    for header in headers:
+        own = ast.literal_eval(header["argsrepr"])[0]
+        assert ids[own] == {header["id"]}
+        marker = keyspace.parse_queued(pub.client().get(_record(pub, own, 0)))
+        assert marker is not None
+        assert marker[0] == header["id"]
+    pub.client().delete(broker_list)
+
+
+def test_a_publish_that_fails_before_its_push_leaves_no_mark_behind(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery fails between the arming and kombu's ``_put`` (a bad countdown): nothing was
+    checked, so no marker is in Redis and the next publish of the same call is checked and
+    published under its own id; a ``before_task_publish`` handler that raises (Celery logs it
+    and publishes) changes nothing; the next unrelated publish is checked for itself."""
+    from celery.signals import before_task_publish
+
+    t = tag()
+    queue = f"{pub.QUEUE}-stale"
+    broker_list = _fresh_list(pub, queue)
+    with pytest.raises(TypeError):
+        pub.charge.apply_async((t, 7), queue=queue, countdown="soon")
+    assert not pub.client().exists(_record(pub, t, 7))
+    assert pub.client().llen(broker_list) == 0
+
+    def handler(**kwargs: Any) -> None:
+        raise RuntimeError("a broken before_task_publish handler")
+
+    before_task_publish.connect(handler, weak=False)
+    try:
+        sent = _redis_commands(monkeypatch)
+        first = pub.charge.apply_async((t, 7), queue=queue)
+        # The TypeError went through the producer pool (as it does for any publish): the
+        # producer was replaced and its new connection PINGs first. Then the one script.
+        assert [command for command in sent if command != "PING"] == ["EVALSHA"]
+        assert keyspace.parse_queued(pub.client().get(_record(pub, t, 7)))[0] == first.id  # type: ignore[index]
+        assert pub.charge.apply_async((t, 7), queue=queue).id == first.id
+    finally:
+        before_task_publish.disconnect(handler)
+    other = pub.charge.apply_async((f"{t}-other", 7), queue=queue)
+    assert other.id != first.id
+    assert keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-other", 7)))[0] == other.id  # type: ignore[index]
+    assert pub.client().llen(broker_list) == 2
+    pub.client().delete(broker_list)
+
+
+def test_a_failure_after_the_push_keeps_the_marker_of_the_queued_message(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The message is in the broker and Celery fails after (say its task-sent event cannot be
+    sent): the caller gets the error, and the marker stays, naming the queued message, so a
+    retry of the caller is stopped instead of publishing a second message."""
+    t = tag()
+    queue = f"{pub.QUEUE}-after"
+    broker_list = _fresh_list(pub, queue)
+    sent_ids: list[str] = []
+    original = pub.app.amqp.send_task_message
+
+    def then_fail(producer: Any, name: str, message: Any, **kwargs: Any) -> Any:
+        original(producer, name, message, **kwargs)
+        sent_ids.append(message.headers["id"])
+        raise RuntimeError("the task-sent event could not be sent")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pub.app.amqp, "send_task_message", then_fail)
+        with pytest.raises(RuntimeError, match="task-sent"):
+            pub.charge.apply_async((t, 8), queue=queue)
+    assert pub.client().llen(broker_list) == 1
+    assert keyspace.parse_queued(pub.client().get(_record(pub, t, 8)))[0] == sent_ids[0]  # type: ignore[index]
+    assert pub.charge.apply_async((t, 8), queue=queue).id == sent_ids[0]
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list)

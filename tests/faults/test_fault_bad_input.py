@@ -9,7 +9,6 @@ unreachable Redis and a wrong password.
 from __future__ import annotations
 
 import functools
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from celery_idempotent import (
     ResultEncodeError,
 )
 from celery_idempotent.keys import slot_key
+from celery_idempotent.servers.processes import free_port
 from tests.faults.fault_app import finalize_quietly
 from tests.faults.faultlib import record_figures
 from tests.support.redis_server import RedisServer
@@ -49,13 +49,6 @@ def keys_under(client: redis.Redis, prefix: str) -> list[bytes]:
         for name in client.scan_iter(match=f"{prefix}*", count=1000)
         if not name.endswith(b":fence")
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # --------------------------------------------------------------------------- results

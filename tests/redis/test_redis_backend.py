@@ -38,8 +38,9 @@ from celery_idempotent import (
 )
 from celery_idempotent.stores.redis import RedisAtomicBackend
 from tests.support.counting import RoundTrips
+from tests.support.ports import free_port
 from tests.support.proxy import TcpProxy
-from tests.support.redis_server import RedisServer, free_port
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

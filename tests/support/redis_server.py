@@ -11,126 +11,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import re
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from celery_idempotent.servers.processes import spawn, stop_process
 from tests.support.cleanup import close_at_exit, forget_at_exit
+from tests.support.ports import HOST, free_port
 from tests.support.redis_bin import (
     RedisServerError,
     find_redis_server,
     redis_server_version,
     supports_tls,
 )
+from tests.support.redis_conf import ExtraConfig, config_lines, ping, quote_config
 
 if TYPE_CHECKING:
     import redis
 
-HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 5.0
-
-ConfigValue = Union[str, int, float, bool]
-ExtraConfig = Union[Mapping[str, ConfigValue], Sequence[str], None]
-
-
-# --------------------------------------------------------------------------- ports
-
-
-def _can_bind(port: int, host: str = HOST) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(*, cluster_bus: bool = False) -> int:
-    """A TCP port on 127.0.0.1 that is free right now.
-
-    With ``cluster_bus=True`` the port is drawn from 20000-29999 (below the ephemeral range) and
-    ``port + 10000``, the Redis Cluster bus port, is checked to be free as well.
-    """
-    if not cluster_bus:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((HOST, 0))
-            port: int = sock.getsockname()[1]
-            return port
-    rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(20000, 30000)
-        if _can_bind(port) and _can_bind(port + 10000):
-            return port
-    raise RedisServerError("no free port pair (port, port+10000) for a cluster node")
-
-
-def quote_config(value: str) -> str:
-    """``value`` as one argument of a ``redis.conf`` directive (quoted when it must be)."""
-    if value == "":
-        return '""'
-    if re.search(r'[\s"\'\\]', value):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return value
-
-
-def _config_lines(extra: ExtraConfig) -> list[str]:
-    if extra is None:
-        return []
-    if isinstance(extra, Mapping):
-        lines = []
-        for name, value in extra.items():
-            text = ("yes" if value else "no") if isinstance(value, bool) else str(value)
-            lines.append(f"{name} {quote_config(text)}")
-        return lines
-    if isinstance(extra, str):
-        return [extra]
-    return [str(line) for line in extra]
-
-
-def _ping(
-    *,
-    host: str | None = None,
-    port: int | None = None,
-    unix_path: str | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-    timeout: float = 1.0,
-) -> bool:
-    """A raw RESP PING: True once the server answers (PONG, or an auth error: it is up)."""
-    sock: socket.socket
-    try:
-        if unix_path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(unix_path)
-            except OSError:
-                sock.close()
-                raise
-        else:
-            assert host is not None
-            assert port is not None
-            sock = socket.create_connection((host, port), timeout=timeout)
-        with contextlib.ExitStack() as stack:
-            stack.callback(sock.close)
-            if ssl_context is not None:
-                sock = ssl_context.wrap_socket(sock, server_hostname=host)
-                stack.callback(sock.close)
-            sock.sendall(b"PING\r\n")
-            reply = sock.recv(256)
-    except OSError:
-        return False
-    return reply.startswith((b"+PONG", b"-NOAUTH", b"-WRONGPASS", b"-NOPERM"))
 
 
 class RedisServer:
@@ -192,7 +98,7 @@ class RedisServer:
         self.tls_only = tls_only and tls
         self.tls_auth_clients = tls_auth_clients
         self.cluster = cluster
-        self.extra_config = _config_lines(extra_config)
+        self.extra_config = config_lines(extra_config)
         self._fixed_port = port is not None
         self.port: int = 0 if unixsocket or self.tls_only else (port or 0)
         self.tls_port: int = 0
@@ -413,11 +319,11 @@ class RedisServer:
                 self._release_process()
                 raise RedisServerError(f"redis-server exited with {self._proc.returncode}:\n{tail}")
             if self.unixsocket:
-                up = _ping(unix_path=self.socket_path)
+                up = ping(unix_path=self.socket_path)
             elif self.tls_only:
-                up = _ping(host=self.host, port=self.tls_port, ssl_context=ssl_context)
+                up = ping(host=self.host, port=self.tls_port, ssl_context=ssl_context)
             else:
-                up = _ping(host=self.host, port=self.port)
+                up = ping(host=self.host, port=self.port)
             if up:
                 return
             if time.monotonic() > deadline:

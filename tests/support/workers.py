@@ -39,13 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from celery_idempotent.servers.processes import spawn
+from tests.support.process_tree import children_of, kill_group
 
 __all__ = [
     "CeleryWorker",
     "WorkerError",
     "WorkerGroup",
-    "children_of",
-    "group_members",
     "start_workers",
 ]
 
@@ -59,50 +58,6 @@ _live_lock = threading.Lock()
 
 class WorkerError(RuntimeError):
     """A worker did not start, or died; the message carries the tail of its log."""
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _living_pids(field: int, value: int) -> list[int] | None:
-    """Living PIDs whose ``/proc/<pid>/stat`` field ``field`` (after the command name: 1 is
-    the parent pid, 2 the process group) equals ``value``; ``None`` without ``/proc``."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover - not Linux
-        return None
-    found: list[int] = []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        # "pid (comm) S ppid pgrp ...": comm may hold spaces and parentheses; split after ')'
-        fields = stat.rsplit(b")", 1)[1].split()
-        if int(fields[field]) == value and fields[0] not in (b"Z", b"X"):
-            found.append(int(entry))
-    return sorted(found)
-
-
-def children_of(pid: int) -> list[int]:
-    """PIDs whose parent is ``pid`` (living ones only), by scanning ``/proc``."""
-    found = _living_pids(1, pid)
-    return _children_ps(pid) if found is None else found
-
-
-def group_members(pgid: int) -> list[int]:
-    """Living PIDs in process group ``pgid`` (a worker and its pool share one)."""
-    return _living_pids(2, pgid) or []
-
-
-def _children_ps(pid: int) -> list[int]:  # pragma: no cover - not Linux
-    out = subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
-    ).stdout
-    return sorted(int(p) for p in out.split())
 
 
 # --------------------------------------------------------------------------- one worker
@@ -326,10 +281,10 @@ class CeleryWorker:
                 try:
                     proc.wait(timeout)
                 except subprocess.TimeoutExpired:
-                    _killpg(proc.pid)
+                    kill_group(proc.pid)
                     proc.wait(5.0)
             # pool children left over (a child that ignored the parent's exit)
-            _killpg(proc.pid)
+            kill_group(proc.pid)
         if self._log_fh is not None:
             self._log_fh.close()
             self._log_fh = None
@@ -340,7 +295,7 @@ class CeleryWorker:
     def kill(self) -> None:
         """SIGKILL the whole process group at once (worker and pool), then reap it."""
         if self._proc is not None:
-            _killpg(self._proc.pid)
+            kill_group(self._proc.pid)
         self.stop(timeout=5.0)
 
     def remove_log(self) -> None:
@@ -358,15 +313,6 @@ class CeleryWorker:
         state = "running" if self.running else f"exited {self.returncode}"
         pid = self._proc.pid if self._proc else None
         return f"<CeleryWorker {self.hostname} {self.pool}x{self.concurrency} pid={pid} {state}>"
-
-
-def _killpg(pgid: int, timeout: float = 5.0) -> None:
-    """SIGKILL process group ``pgid`` and wait until none of its members is alive."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------- several

@@ -117,3 +117,16 @@ def tick() -> str:
     slot = headers.get(SLOT_HEADER) or getattr(request, SLOT_HEADER, None) or "none"
     client().rpush(PREFIX + "fx:ticks", f"{slot}|{time.time():.3f}")
     return str(slot)
+
+
+@app.task(shared=False, name="pub.fan_out")
+def fan_out(tag: str, n: int, queue: str, rounds: int = 3) -> list[list[str]]:
+    """Publishes, from inside a running task, ``charge((tag, 0))`` (the same call in every
+    ``fan_out``) and ``charge((f"{tag}-{n}-{i}", 0))`` (its own calls), sleeping between them
+    so that concurrent greenlets or threads interleave; returns ``[args tag, task id]`` pairs."""
+    got: list[list[str]] = []
+    for i in range(rounds):
+        for own in (tag, f"{tag}-{n}-{i}"):
+            got.append([own, charge.apply_async((own, 0), queue=queue).id])
+            time.sleep(0.005)
+    return got
