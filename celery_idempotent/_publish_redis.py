@@ -97,12 +97,20 @@ def disarm(token: contextvars.Token[Pending | None]) -> None:
 
 
 def is_redis_transport(transport_cls: Any) -> bool:
-    """Whether ``transport_cls`` is kombu's Redis transport (or Sentinel's, a subclass)."""
+    """Whether ``transport_cls`` is kombu's Redis transport (or Sentinel's, a subclass) and
+    its channel pushes through the hook (installed here): a subclass whose channel overrides
+    ``_put`` or ``_put_fanout`` would push past the check, so it is checked first instead."""
     try:
-        from kombu.transport import redis as kombu_redis  # noqa: PLC0415 - optional
+        kombu_redis = _kombu_redis()
     except ImportError:  # pragma: no cover - redis-py is a dependency of the Redis backends
         return False
-    return isinstance(transport_cls, type) and issubclass(transport_cls, kombu_redis.Transport)
+    if not (isinstance(transport_cls, type) and issubclass(transport_cls, kombu_redis.Transport)):
+        return False
+    channel = getattr(transport_cls, "Channel", None)
+    return install() and all(
+        getattr(getattr(channel, name, None), "_celery_idempotent_hook", False)
+        for name in ("_put", "_put_fanout")
+    )
 
 
 def install() -> bool:
@@ -230,6 +238,7 @@ def _hook(original: Any, *, fusable: bool) -> Any:
         raise Stopped(decision.action)
 
     put.__wrapped__ = original  # type: ignore[attr-defined]
+    put._celery_idempotent_hook = True  # type: ignore[attr-defined]
     put.__name__ = getattr(original, "__name__", "put")
     put.__doc__ = original.__doc__
     return put

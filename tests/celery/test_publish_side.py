@@ -982,3 +982,38 @@ def test_a_failure_after_the_push_keeps_the_marker_of_the_queued_message(
     assert pub.charge.apply_async((t, 8), queue=queue).id == sent_ids[0]
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list)
+
+
+def test_a_redis_transport_whose_channel_pushes_its_own_way_is_checked_first(
+    pub: ModuleType,
+) -> None:
+    """A subclass of kombu's Redis transport whose channel overrides ``_put`` (and never calls
+    kombu's) would push past the hook: such a broker gets the check first, as RabbitMQ does,
+    so its duplicates are still stopped."""
+    from kombu import Connection
+    from kombu.transport import redis as kombu_redis
+
+    pushed: list[str] = []
+
+    class OwnChannel(kombu_redis.Channel):  # type: ignore[misc]
+        def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+            pushed.append(message["headers"]["id"])
+            with self.conn_or_acquire() as client:
+                client.lpush(queue, kombu_redis.dumps(message))
+
+    class OwnTransport(kombu_redis.Transport):  # type: ignore[misc]
+        Channel = OwnChannel
+
+    t = tag()
+    queue = f"{pub.QUEUE}-own"
+    broker_list = f"{pub.PREFIX}kombu:{queue}"
+    options = {"global_keyprefix": f"{pub.PREFIX}kombu:"}
+    with Connection(pub.URL, transport=OwnTransport, transport_options=options) as connection:
+        producer = connection.Producer()
+        first = pub.charge.apply_async((t, 9), queue=queue, producer=producer)
+        again = pub.charge.apply_async((t, 9), queue=queue, producer=producer)
+    assert again.id == first.id
+    assert pushed == [first.id]
+    assert pub.client().llen(broker_list) == 1
+    assert keyspace.parse_queued(pub.client().get(_record(pub, t, 9)))[0] == first.id  # type: ignore[index]
+    pub.client().delete(broker_list)
