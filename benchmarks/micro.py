@@ -110,10 +110,10 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
 
     # Our two scripts alone, called with ready-made arguments: what the guard costs without
     # any of our Python (key names, tokens, fingerprint, encoding, decoding, renewal).
-    from celery_idempotent import _redis
+    from celery_idempotent import redis_scripts
 
-    claim = client.register_script(_redis.CLAIM)
-    commit = client.register_script(_redis.COMMIT)
+    claim = client.register_script(redis_scripts.CLAIM)
+    commit = client.register_script(redis_scripts.COMMIT)
     ms = [10_000]
 
     def scripts_first(i: int) -> Any:

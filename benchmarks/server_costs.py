@@ -56,7 +56,7 @@ def _per_call(client: redis.Redis, name: str, n: int, call: Callable[[int], Any]
 
 def run(client: redis.Redis, prefix: str, *, n: int = 5000) -> dict[str, Any]:
     """µs per call of each probe, and of our CLAIM (first execution and duplicate) and COMMIT."""
-    from celery_idempotent import _redis
+    from celery_idempotent import redis_scripts
 
     out: dict[str, Any] = {"calls": n, "lua": {}, "plain": {}, "scripts": {}}
     for round_ in range(2):  # the second round is reported: scripts loaded, tables warm
@@ -80,8 +80,8 @@ def run(client: redis.Redis, prefix: str, *, n: int = 5000) -> dict[str, Any]:
     )
 
     _forget(client, f"{prefix}sc:")
-    claim = client.register_script(_redis.CLAIM)
-    commit = client.register_script(_redis.COMMIT)
+    claim = client.register_script(redis_scripts.CLAIM)
+    commit = client.register_script(redis_scripts.COMMIT)
     names = [
         (f"{prefix}sc:lock:{{{i}}}", f"{prefix}sc:{{{i}}}", f"{prefix}sc:lock:{{{i}}}:fence")
         for i in range(n)

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from celery_idempotent import _redis
+from celery_idempotent import redis_client
 from celery_idempotent.exceptions import IdempotencyConnectionError
 from celery_idempotent.stores.redis import PublishDecision, RedisIdempotencyStore
 
@@ -189,10 +189,10 @@ def can_fuse(channel: Any, store: RedisIdempotencyStore) -> bool:
     found = cache.get(id(store.client))
     if found is None or found[0] is not store.client:
         # A client over the channel's own pool (kombu publishes with one of these).
-        broker = _redis.import_redis().Redis(connection_pool=channel.pool)
+        broker = redis_client.import_redis().Redis(connection_pool=channel.pool)
         found = cache[id(store.client)] = (
             store.client,
-            _redis.why_not_same_server(store.client, broker) is None,
+            redis_client.why_not_same_server(store.client, broker) is None,
         )
     return bool(found[1])
 

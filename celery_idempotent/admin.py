@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from celery_idempotent import _redis
+from celery_idempotent import redis_admin_scripts
 from celery_idempotent.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.key_info import KeyInfo, read_key
 
@@ -180,7 +180,7 @@ def forget_key(
     forget_plan(info, force=force, include_fences=include_fences)
     # One script: the lock is compared with the token that was read; a fence key goes only
     # once the server clock has passed it (a token ahead of the clock is kept in it).
-    forget_script = client.register_script(_redis.FORGET)
+    forget_script = client.register_script(redis_admin_scripts.FORGET)
     gone_record, gone_lock, gone_fence = forget_script(
         keys=[info.record_name, info.lock_name, info.fence_name],
         args=[

@@ -13,10 +13,10 @@ import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery_idempotent import signals
-from celery_idempotent._redis import make_client
 from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent
 from celery_idempotent.locks.memory import MemoryLockProvider
 from celery_idempotent.locks.redis import RedisLockProvider
+from celery_idempotent.redis_client import make_client
 from celery_idempotent.requeue import MAX_REQUEUE_DELAY
 from celery_idempotent.results import result_serialization
 from celery_idempotent.settings import IdempotencySettings, make_client_from

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery_idempotent import _redis, keyspace
+from celery_idempotent import keyspace, redis_admin_scripts
 from celery_idempotent.codec import serializer_info
 from celery_idempotent.keyspace import fence_name, lock_name, record_name
 
@@ -141,7 +141,7 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     rname = record_name(prefix, key)
     lname = lock_name(prefix, key)
     fname = fence_name(lname)
-    read = client.register_script(_redis.READ_KEY)
+    read = client.register_script(redis_admin_scripts.READ_KEY)
     reply = read(keys=[rname, lname, fname], args=["1" if with_data else "0"])
     kind, rec, size, rttl, token, lttl, fence, fttl = reply
     kind = _text(kind)

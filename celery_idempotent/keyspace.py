@@ -4,7 +4,8 @@ This module is the only place that knows these formats. ``IdempotentTask`` build
 :func:`task_key`, the command line parses them back with :func:`parse_task_key`; the Redis
 backends name a key's lock, record and fence with :func:`lock_name`, :func:`record_name` and
 :func:`fence_name`, and encode records with :func:`encode_record`; the Lua scripts in
-``celery_idempotent._redis`` take their record prefixes and the v1 field list from here.
+``celery_idempotent.redis_scripts`` (and the publish and admin scripts) take their record
+prefixes and the v1 field list from here.
 
 Task keys
 ---------

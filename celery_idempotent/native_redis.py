@@ -23,8 +23,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from celery_idempotent._redis import import_redis
 from celery_idempotent.green import Natives
+from celery_idempotent.redis_client import import_redis
 
 __all__ = ["NativeRedisCaller", "native_caller_for"]
 

@@ -365,7 +365,7 @@ def _broker_fallback(conf: Any) -> Any:
     if first.startswith(REDIS_SCHEMES):
         return first
     if first.startswith("sentinel://"):
-        from celery_idempotent._redis import sentinel_factory_from_broker  # noqa: PLC0415
+        from celery_idempotent.redis_client import sentinel_factory_from_broker  # noqa: PLC0415
 
         options = conf.get("broker_transport_options") or {}
         ident = repr((broker, sorted(options.items(), key=lambda item: str(item[0]))))

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from celery import signals as celery_signals
 
 from celery_idempotent import green
-from celery_idempotent._redis import SentinelClientFactory, import_redis
 from celery_idempotent.factory import backend_label
 from celery_idempotent.health import eviction_policy, eviction_warning
+from celery_idempotent.redis_client import SentinelClientFactory, import_redis
 from celery_idempotent.settings import IdempotencySettings, declared_by_task, resolve
 
 if TYPE_CHECKING:

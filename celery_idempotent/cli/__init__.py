@@ -16,7 +16,7 @@ task; ``--url`` and ``--prefix`` override both::
 
 Keys are named as :class:`~celery_idempotent.IdempotentTask` names them:
 ``<task>:key:<explicit or formatted key>``, ``<task>:id:<task id>`` or
-``<task>:args:<sha256 of the bound arguments>``. In Redis (see ``celery_idempotent._redis``)
+``<task>:args:<sha256 of the bound arguments>``. In Redis (see ``celery_idempotent.keyspace``)
 a key ``k`` becomes the record ``<prefix>{k}``, the lock ``<prefix>lock:{k}`` and the fence
 ``<prefix>lock:{k}:fence``, where ``k`` is shortened to its first 64 characters plus a sha256
 when it is longer than 200 characters or contains a brace.

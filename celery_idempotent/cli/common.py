@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from celery_idempotent import _redis
+from celery_idempotent import redis_client
 from celery_idempotent.exceptions import IdempotencyError
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 from celery_idempotent.urls import redact
@@ -160,7 +160,7 @@ def connect(
             backend = _client_label(client)
         else:
             backend = cfg.backend_url
-            client = _redis.make_client(None, backend, "--url / idempotency_url")
+            client = redis_client.make_client(None, backend, "--url / idempotency_url")
     except (TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     return Target(
@@ -245,7 +245,7 @@ def redis_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        redis_mod = _redis.import_redis()
+        redis_mod = redis_client.import_redis()
         try:
             return fn(*args, **kwargs)
         except (redis_mod.exceptions.RedisError, IdempotencyError, OSError) as exc:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from celery_idempotent import _redis
+from celery_idempotent import redis_admin_scripts, redis_client, redis_scripts
 from celery_idempotent.cli.common import SAMPLE, Target, progress
 from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name, task_of_slot
 
@@ -38,9 +38,9 @@ def _scan_pattern(prefix: str, task: str | None) -> str:
     name of 64 characters or more, the pattern holds only the part that survives shortening.
     """
     if task is None:
-        return _redis.glob_escape(prefix) + "*"
+        return redis_client.glob_escape(prefix) + "*"
     head = ("{" + tagged_task(task) + ":")[: HEAD_CHARS + 1]
-    return _redis.glob_escape(prefix) + "*" + _redis.glob_escape(head) + "*"
+    return redis_client.glob_escape(prefix) + "*" + redis_client.glob_escape(head) + "*"
 
 
 def decode_name(name: Any) -> str:
@@ -81,7 +81,7 @@ def scan_names(
     """
     tagged = None if task is None else tagged_task(task)
     pattern = _scan_pattern(target.prefix, task)
-    holder = target.client.register_script(_redis.HOLDER)
+    holder = target.client.register_script(redis_scripts.HOLDER)
     for raw in target.client.scan_iter(match=pattern, count=batch_size):
         scan.scanned += 1
         parsed = parse_name(decode_name(raw), target.prefix)
@@ -137,7 +137,7 @@ def delete_task(
     batch: list[tuple[str, bytes]] = []
     batches = 0
 
-    drop_fence = target.client.register_script(_redis.DROP_FENCE)
+    drop_fence = target.client.register_script(redis_admin_scripts.DROP_FENCE)
 
     def flush() -> None:
         nonlocal batches

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import _redis, green, keyspace, native_redis
+from celery_idempotent import (
+    green,
+    keyspace,
+    native_redis,
+    redis_client,
+    redis_errors,
+    redis_scripts,
+)
 from celery_idempotent.protocols import Lease
 from celery_idempotent.validate import check_duration
 
@@ -46,16 +53,16 @@ class RedisLockProvider:
         fence_ttl: Any = 7 * 86_400,
         key_prefix: str = "idempotency:",
     ) -> None:
-        self.client = _redis.make_client(client, url, "RedisLockProvider")
+        self.client = redis_client.make_client(client, url, "RedisLockProvider")
         if owner_id is not None and (not isinstance(owner_id, str) or not owner_id):
             raise TypeError(f"owner_id must be a non-empty str, not {owner_id!r}")
-        self.owner_id = owner_id or _redis.default_owner_id()
+        self.owner_id = owner_id or redis_client.default_owner_id()
         self.fence_ttl = check_duration("fence_ttl", fence_ttl)
         self.key_prefix = key_prefix
-        self._acquire = self.client.register_script(_redis.ACQUIRE)
-        self._extend = self.client.register_script(_redis.EXTEND)
-        self._release = self.client.register_script(_redis.RELEASE)
-        self._holder = self.client.register_script(_redis.HOLDER)
+        self._acquire = self.client.register_script(redis_scripts.ACQUIRE)
+        self._extend = self.client.register_script(redis_scripts.EXTEND)
+        self._release = self.client.register_script(redis_scripts.RELEASE)
+        self._holder = self.client.register_script(redis_scripts.HOLDER)
 
     def __repr__(self) -> str:
         return f"RedisLockProvider(client={self.client!r}, owner_id={self.owner_id!r})"
@@ -68,10 +75,10 @@ class RedisLockProvider:
     def acquire(self, resource: str, ttl: float) -> Lease | None:
         """Take ``resource`` for ``ttl`` seconds (one round trip); ``None`` when it is held."""
         ttl = check_duration("ttl", ttl)
-        token = _redis.new_token(self.owner_id)
-        with _redis.translate_errors(resource, "lock acquire"):
+        token = redis_client.new_token(self.owner_id)
+        with redis_errors.translate_errors(resource, "lock acquire"):
             fence = self._acquire(
-                keys=[resource, keyspace.fence_name(resource)], args=[token, _redis.ms(ttl)]
+                keys=[resource, keyspace.fence_name(resource)], args=[token, redis_client.ms(ttl)]
             )
         number = int(fence)
         if not number:
@@ -84,7 +91,7 @@ class RedisLockProvider:
         """Reset the lease to ``ttl`` seconds if it is still ours (one round trip)."""
         ttl = check_duration("ttl", ttl)
         keys, args = self._extend_arguments(lease, ttl)
-        with _redis.translate_errors(lease.resource, "lock extend"):
+        with redis_errors.translate_errors(lease.resource, "lock extend"):
             return bool(self._extend(keys=keys, args=args))
 
     @staticmethod
@@ -92,7 +99,7 @@ class RedisLockProvider:
         """KEYS and ARGV of the EXTEND script (shared by :meth:`extend` and the renewer)."""
         return (
             [lease.resource, keyspace.fence_name(lease.resource)],
-            [lease.token, _redis.ms(ttl), lease.fencing_token],
+            [lease.token, redis_client.ms(ttl), lease.fencing_token],
         )
 
     def renewer(self) -> Callable[[Lease, float, float], bool] | None:
@@ -117,8 +124,8 @@ class RedisLockProvider:
     ) -> Callable[[Lease, float, float], bool]:
         def renew(lease: Lease, ttl: float, timeout: float) -> bool:
             keys, args = self._extend_arguments(lease, ttl)
-            with _redis.translate_errors(lease.resource, "lock extend"):
-                return bool(caller(_redis.EXTEND, keys, args, timeout))
+            with redis_errors.translate_errors(lease.resource, "lock extend"):
+                return bool(caller(redis_scripts.EXTEND, keys, args, timeout))
 
         return renew
 
@@ -126,7 +133,7 @@ class RedisLockProvider:
         """Release the lock if ``lease`` still holds it (one round trip). The lock stays as a
         tombstone that keeps the lease's fencing token (see ``celery_idempotent.keyspace``);
         ``unused=True`` (a lease under which nothing ran, given back at once) deletes it."""
-        with _redis.translate_errors(lease.resource, "lock release"):
+        with redis_errors.translate_errors(lease.resource, "lock release"):
             return bool(
                 self._release(
                     keys=[lease.resource, keyspace.fence_name(lease.resource)],
@@ -142,7 +149,7 @@ class RedisLockProvider:
     def holder(self, resource: str) -> str | None:
         """The current holder's lease token (``<fencing token>/<random>@<owner_id>``; a lock
         taken by 0.1.0 holds ``<random>@<owner_id>``), or ``None`` (one round trip)."""
-        with _redis.translate_errors(resource, "lock check"):
+        with redis_errors.translate_errors(resource, "lock check"):
             value = self._holder(keys=[resource])
         if value is None:
             return None
@@ -150,8 +157,8 @@ class RedisLockProvider:
 
     def clear(self) -> None:
         """Delete every lock under ``key_prefix`` (SCAN in batches, never KEYS)."""
-        pattern = _redis.glob_escape(f"{self.key_prefix}lock:") + "*"
-        with _redis.translate_errors(self.key_prefix, "lock clear"):
+        pattern = redis_client.glob_escape(f"{self.key_prefix}lock:") + "*"
+        with redis_errors.translate_errors(self.key_prefix, "lock clear"):
             batch: list[Any] = []
             for name in self.client.scan_iter(match=pattern, count=500):
                 # bytes, or str from a client made with decode_responses=True

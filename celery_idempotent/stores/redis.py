@@ -13,7 +13,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from celery_idempotent import _redis, keyspace
+from celery_idempotent import (
+    keyspace,
+    redis_client,
+    redis_errors,
+    redis_publish_scripts,
+    redis_scripts,
+)
 from celery_idempotent.codec import ResultCodec, serializer_info
 from celery_idempotent.exceptions import (
     IdempotencyBackendError,
@@ -79,7 +85,7 @@ class RedisIdempotencyStore:
         wait_replicas: int = 0,
         wait_timeout: Any = 1.0,
     ) -> None:
-        self.client = _redis.make_client(client, url, "RedisIdempotencyStore")
+        self.client = redis_client.make_client(client, url, "RedisIdempotencyStore")
         self.wait_replicas = check_count("wait_replicas", wait_replicas)
         self.wait_timeout = check_duration("wait_timeout", wait_timeout)
         self._loaded: set[str] = set()  # SHAs of scripts loaded by eval_and_wait
@@ -91,7 +97,7 @@ class RedisIdempotencyStore:
         self.codec = ResultCodec(serializer, accept)
         self.accept = self.codec.accept
         self.serializer = serializer
-        if _redis.decodes_responses(self.client):
+        if redis_client.decodes_responses(self.client):
             binary = self.codec.binary_serializers()
             if binary:
                 raise ValueError(
@@ -99,10 +105,10 @@ class RedisIdempotencyStore:
                     f"(decode_responses=True), which cannot carry the binary payloads of "
                     f"{', '.join(binary)}; pass a client with decode_responses=False"
                 )
-        self._commit = self.client.register_script(_redis.COMMIT)
-        self._publish = self.client.register_script(_redis.PUBLISH)
-        self._publish_and_push = self.client.register_script(_redis.PUBLISH_AND_PUSH)
-        self._drop_queued = self.client.register_script(_redis.DROP_QUEUED)
+        self._commit = self.client.register_script(redis_scripts.COMMIT)
+        self._publish = self.client.register_script(redis_publish_scripts.PUBLISH)
+        self._publish_and_push = self.client.register_script(redis_publish_scripts.PUBLISH_AND_PUSH)
+        self._drop_queued = self.client.register_script(redis_publish_scripts.DROP_QUEUED)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -113,7 +119,7 @@ class RedisIdempotencyStore:
     # -- replication ------------------------------------------------------------------------
 
     def _wait_ms(self) -> int:
-        return _redis.ms(self.wait_timeout)
+        return redis_client.ms(self.wait_timeout)
 
     def check_replicated(self, key: str, acked: Any, what: str) -> None:
         """Raise :class:`IdempotencyConnectionError` when ``acked`` (WAIT's reply) is below
@@ -148,7 +154,10 @@ class RedisIdempotencyStore:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
             pipe.wait(self.wait_replicas, self._wait_ms())
             reply, acked = pipe.execute(raise_on_error=False)
-            if isinstance(reply, _redis.import_redis().exceptions.NoScriptError) and not attempt:
+            if (
+                isinstance(reply, redis_client.import_redis().exceptions.NoScriptError)
+                and not attempt
+            ):
                 script.sha = self.client.script_load(script.script)
                 continue
             for value in (reply, acked):
@@ -219,8 +228,8 @@ class RedisIdempotencyStore:
 
     def get(self, key: str) -> IdempotencyRecord | None:
         """The record under ``key``, or ``None`` (one round trip; two for a v1 record)."""
-        wrong_type = _redis.import_redis().exceptions.ResponseError
-        with _redis.translate_errors(key, "store get"):
+        wrong_type = redis_client.import_redis().exceptions.ResponseError
+        with redis_errors.translate_errors(key, "store get"):
             try:
                 try:
                     value = self.client.get(key)
@@ -241,19 +250,19 @@ class RedisIdempotencyStore:
         """Replace the record under ``key``, for ``ttl`` seconds (one round trip)."""
         ttl = check_duration("ttl", ttl)
         value = self.encode(key, record)
-        with _redis.translate_errors(key, "store set"):
+        with redis_errors.translate_errors(key, "store set"):
             if not self.wait_replicas:
-                self.client.set(key, value, px=_redis.ms(ttl))
+                self.client.set(key, value, px=redis_client.ms(ttl))
                 return
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(key, value, px=_redis.ms(ttl))
+            pipe.set(key, value, px=redis_client.ms(ttl))
             pipe.wait(self.wait_replicas, self._wait_ms())
             _, acked = pipe.execute()
         self.check_replicated(key, acked, "record")
 
     def delete(self, key: str) -> bool:
         """Delete the record under ``key``; ``True`` when there was one."""
-        with _redis.translate_errors(key, "store delete"):
+        with redis_errors.translate_errors(key, "store delete"):
             return bool(self.client.delete(key))
 
     # -- the publish side (IdempotentTask.apply_async) --------------------------------------
@@ -273,8 +282,8 @@ class RedisIdempotencyStore:
 
         ``push``: ``(list name, message)`` of a broker on this Redis: when the decision is
         "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``)."""
-        args: list[Any] = [task_id, fingerprint or "", _redis.ms(publish_ttl)]
-        with _redis.translate_errors(record, "publish check"):
+        args: list[Any] = [task_id, fingerprint or "", redis_client.ms(publish_ttl)]
+        with redis_errors.translate_errors(record, "publish check"):
             if push is None:
                 reply = self._publish(keys=[record, lock], args=args)
             else:
@@ -297,7 +306,7 @@ class RedisIdempotencyStore:
     def drop_queued(self, record: str, task_id: str) -> bool:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
         (committed since, expired, or another call's)."""
-        with _redis.translate_errors(record, "queued marker delete"):
+        with redis_errors.translate_errors(record, "queued marker delete"):
             return bool(self._drop_queued(keys=[record], args=[task_id]))
 
     # -- pairing ----------------------------------------------------------------------------
@@ -324,7 +333,7 @@ class RedisIdempotencyStore:
                 f"the lock provider is a {type(lock_provider).__name__}, not a "
                 "RedisLockProvider on this store's Redis"
             )
-        return _redis.why_not_same_server(self.client, lock_provider.client)
+        return redis_client.why_not_same_server(self.client, lock_provider.client)
 
 
 class RedisAtomicBackend:
@@ -333,15 +342,15 @@ class RedisAtomicBackend:
     def __init__(self, store: RedisIdempotencyStore, locks: RedisLockProvider) -> None:
         self.store = store
         self.locks = locks
-        self._claim = store.client.register_script(_redis.CLAIM)
+        self._claim = store.client.register_script(redis_scripts.CLAIM)
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
-        token = _redis.new_token(self.locks.owner_id)
+        token = redis_client.new_token(self.locks.owner_id)
         keys = [resource, key, keyspace.fence_name(resource)]
-        args: list[Any] = [token, _redis.ms(ttl)]
+        args: list[Any] = [token, redis_client.ms(ttl)]
         acked: Any = None
-        with _redis.translate_errors(key, "claim"):
+        with redis_errors.translate_errors(key, "claim"):
             try:
                 if self.store.wait_replicas:
                     reply, acked = self.store.eval_and_wait(self._claim, keys, args)
@@ -377,8 +386,8 @@ class RedisAtomicBackend:
         """See :class:`~celery_idempotent.protocols.AtomicBackend` (one round trip)."""
         value = self.store.encode(key, record)
         keys = [lease.resource, key, keyspace.fence_name(lease.resource)]
-        args: list[Any] = [lease.token, _redis.ms(ttl), value, lease.fencing_token]
-        with _redis.translate_errors(key, "commit"):
+        args: list[Any] = [lease.token, redis_client.ms(ttl), value, lease.fencing_token]
+        with redis_errors.translate_errors(key, "commit"):
             if not self.store.wait_replicas:
                 return bool(self.store._commit(keys=keys, args=args))
             reply, acked = self.store.eval_and_wait(self.store._commit, keys, args)

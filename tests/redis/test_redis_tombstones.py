@@ -25,9 +25,9 @@ from celery_idempotent import (
     Lease,
     RedisIdempotencyStore,
     RedisLockProvider,
-    _redis,
     current_lease,
     keyspace,
+    redis_scripts,
 )
 from celery_idempotent.admin import forget_key, read_key, status_of
 
@@ -151,7 +151,7 @@ def test_a_claim_resent_after_its_lease_ran_out_takes_a_new_token(
     """redis-py resends a script after a lost reply; if the lease ran out meanwhile, the
     tombstone holds the very same token, and the resent claim gets a new, higher one."""
     res = f"{key_prefix}lock:{{k}}"
-    acquire = redis_client.register_script(_redis.ACQUIRE)
+    acquire = redis_client.register_script(redis_scripts.ACQUIRE)
     names = [res, provider.fence_key(res)]
     first = int(acquire(keys=names, args=["same@w", 50]))
     assert int(acquire(keys=names, args=["same@w", 50])) == first  # resent while valid

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import greenlet
 
-from celery_idempotent import _redis
+from celery_idempotent import redis_admin_scripts, redis_publish_scripts, redis_scripts
 from celery_idempotent import renewal as lease_renewal
 from celery_idempotent.guard import DistributedIdempotencyGuard
 from celery_idempotent.keys import lock_resource, record_key
@@ -100,12 +100,25 @@ _ROLES = {
 }
 
 
+#: The library's modules of Lua scripts (their constants are the scripts it registers).
+SCRIPT_MODULES = (redis_scripts, redis_publish_scripts, redis_admin_scripts)
+
+
+def script_source(const: str) -> str | None:
+    """The text of the library's script ``const`` (``"CLAIM"``...), or ``None``."""
+    for module in SCRIPT_MODULES:
+        src = getattr(module, const, None)
+        if isinstance(src, str):
+            return src
+    return None
+
+
 def script_roles() -> dict[str, str]:
     """Script source -> role, from the library's own constants."""
     out: dict[str, str] = {}
     for const, role in _ROLES.items():
-        src = getattr(_redis, const, None)
-        if isinstance(src, str):
+        src = script_source(const)
+        if src is not None:
             out[src] = role
     return out
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from celery_idempotent import _redis, renewal
+from celery_idempotent import renewal
 
 from . import adapter
 
@@ -45,12 +45,12 @@ class Mutant:
 
 def _sub(*alternatives: tuple[str, str], only: str | None = None) -> Callable[[str], str]:
     """A script edit: the first of ``(pattern, replacement)`` that matches, applied once, to
-    the script ``only`` (a constant's name in ``_redis``) or to any. Alternatives cover the
-    script texts of both Redis layouts (v1, v2)."""
+    the script ``only`` (a constant's name in the library's script modules) or to any.
+    Alternatives cover the script texts of both Redis layouts (v1, v2)."""
     compiled = [(re.compile(p, re.S), r) for p, r in alternatives]
 
     def edit(src: str) -> str:
-        if only is not None and src != getattr(_redis, only, None):
+        if only is not None and src != adapter.script_source(only):
             return src
         for rx, repl in compiled:
             out = rx.sub(repl, src, count=1)
@@ -106,10 +106,7 @@ MUTANTS = [
         script_edit=_sub(
             (r"math\.max\(last \+ 1, now\)", "last + 1"),  # v1
             (r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1)\)", r"\1"),  # v2
-            (  # v2 with tombstones
-                r"math\.max\(now, (tonumber\(fv or '0'\) \+ 1), (last \+ 1)\)",
-                r"math.max(\1, \2)",
-            ),
+            (r"\nlocal f = now\n", "\nlocal f = 0\n"),  # v2 with tombstones
         ),
     ),
     Mutant(
@@ -154,7 +151,7 @@ MUTANTS += [
         "lease-key-without-margin",
         "a claim's lock lives only as long as its lease: once it expires nothing keeps the token",
         script_edit=_sub(
-            (r"(math\.floor\(f / 1000\) - ms\)) \+ \d+\)\n\n(if tonumber\(fs\))", r"\1)\n\n\2"),
+            (r"(local px = ARGV\[2\]) \+ \d+\n", r"\1\n"),
             only="CLAIM",
         ),
     ),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_idempotent import _redis, keyspace
+from celery_idempotent import keyspace, redis_scripts
 
 from .server import SimRedis
 
@@ -40,7 +40,7 @@ class Server:
 
     def claim(self, token: str) -> int:
         reply = self.redis.eval(
-            _redis.CLAIM, [self.lock, self.record, self.fence], [token, LEASE_MS]
+            redis_scripts.CLAIM, [self.lock, self.record, self.fence], [token, LEASE_MS]
         )
         assert reply[0] == 1, reply
         return int(reply[1])
@@ -57,11 +57,13 @@ class Server:
             data=b'"v"',
         )
         args = [lease, TTL_MS, record, fence]
-        assert self.redis.eval(_redis.COMMIT, [self.lock, self.record, self.fence], args) == 1
+        assert (
+            self.redis.eval(redis_scripts.COMMIT, [self.lock, self.record, self.fence], args) == 1
+        )
 
     def release(self, token: str, fence: int) -> None:
         lease = keyspace.lock_value(fence, token)
-        assert self.redis.eval(_redis.RELEASE, [self.lock, self.fence], [lease, fence]) == 1
+        assert self.redis.eval(redis_scripts.RELEASE, [self.lock, self.fence], [lease, fence]) == 1
 
     def claim_when_free(self, token: str) -> int:
         """Claim, waiting out a lease that a step back of the clock brought back to life (a
@@ -69,7 +71,7 @@ class Server:
         its deadline)."""
         for _ in range(1200):
             reply = self.redis.eval(
-                _redis.CLAIM, [self.lock, self.record, self.fence], [token, LEASE_MS]
+                redis_scripts.CLAIM, [self.lock, self.record, self.fence], [token, LEASE_MS]
             )
             if reply[0] == 1:
                 return int(reply[1])
@@ -159,7 +161,9 @@ def test_a_step_back_during_the_lease_then_expiry(server: Server) -> None:
     server.redis.data.pop(server.fence.encode(), None)
     # The holder renews once (the renewal pushes the key's life past the token), then dies.
     lease = keyspace.lock_value(first, "a@w")
-    assert server.redis.eval(_redis.EXTEND, [server.lock, server.fence], [lease, LEASE_MS, first])
+    assert server.redis.eval(
+        redis_scripts.EXTEND, [server.lock, server.fence], [lease, LEASE_MS, first]
+    )
     server.redis.data.pop(server.fence.encode(), None)
     server.wait(3600 + MARGIN_S - 5)  # the lease expired long ago; the clock just passed it
     assert server.keys() == {server.lock.encode()}
