@@ -943,8 +943,10 @@ def test_a_publish_that_fails_before_its_push_leaves_no_mark_behind(
         sent = _redis_commands(monkeypatch)
         first = pub.charge.apply_async((t, 7), queue=queue)
         # The TypeError went through the producer pool (as it does for any publish): the
-        # producer was replaced and its new connection PINGs first. Then the one script.
-        assert [command for command in sent if command != "PING"] == ["EVALSHA"]
+        # producer was replaced, its new connection PINGs (and kombu < 5.7 declares the
+        # queue again). Then the one script, which pushed the message.
+        assert sent.count("EVALSHA") == 1
+        assert "LPUSH" not in sent
         assert keyspace.parse_queued(pub.client().get(_record(pub, t, 7)))[0] == first.id  # type: ignore[index]
         assert pub.charge.apply_async((t, 7), queue=queue).id == first.id
     finally:
