@@ -1067,3 +1067,19 @@ def test_a_batch_keeps_the_markers_it_pushed_and_drops_those_it_discarded(
     assert keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-2", 10)))[0] == third.id  # type: ignore[index]
     assert pub.charge.apply_async((f"{t}-2", 10), queue=queue).id == third.id
     pub.client().delete(broker_list)
+
+
+def test_a_message_kombu_routes_to_no_queue_sets_no_marker(pub: ModuleType) -> None:
+    """An exchange nothing is bound to: kombu's Redis transport drops the message without
+    pushing it (as for a plain publish), so the hook never sees it: no marker blocks the key,
+    and the next publish to a real queue is checked and published."""
+    t = tag()
+    nowhere = pub.charge.apply_async((t, 11), exchange=f"nowhere-{t}", routing_key="nobody")
+    assert not pub.client().exists(_record(pub, t, 11))
+    queue = f"{pub.QUEUE}-somewhere"
+    broker_list = _fresh_list(pub, queue)
+    first = pub.charge.apply_async((t, 11), queue=queue)
+    assert first.id != nowhere.id
+    assert keyspace.parse_queued(pub.client().get(_record(pub, t, 11)))[0] == first.id  # type: ignore[index]
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list)
