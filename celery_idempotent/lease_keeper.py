@@ -9,6 +9,7 @@ gevent/eventlet (:func:`flush_log`).
 
 from __future__ import annotations
 
+import _thread
 import collections
 import heapq
 import itertools
@@ -355,10 +356,18 @@ def _pump() -> None:  # pragma: no cover - runs as a greenlet for the life of th
 
 
 def start_log_relay() -> None:
+    """Start the greenlet that writes the keeper thread's queued lines (once per process).
+
+    With the patched ``_thread.start_new_thread``, which schedules the greenlet and returns:
+    ``threading.Thread.start`` waits until the new thread has started, i.e. switches to the
+    event loop, and a body blocking the loop (a CPU loop) would hold the caller there for as
+    long as it runs, past the lease of the call being kept.
+    """
     global _pump_started  # noqa: PLW0603 - once per process
     if not _pump_started:
         _pump_started = True
-        threading.Thread(target=_pump, name="celery-idempotent-log-relay", daemon=True).start()
+        # Looked up now, not at import: the module may have been imported before the patch.
+        _thread.start_new_thread(_pump, ())
 
 
 def claim_report(renewal: Renewal) -> bool:

@@ -81,13 +81,18 @@ def keep(
     green keeper."""
     get_renewer = getattr(provider, "renewer", None)
     renew: Renew | None = get_renewer() if callable(get_renewer) else None
-    runtime = green.runtime()
-    if runtime is not None:
-        start_log_relay()
-        flush_log()
-        if renew is None:
-            return _green_keeper_().keep(provider, lease, ttl, interval, label=label)
-    return keeper().keep(provider, lease, ttl, interval, renew=renew, label=label)
+    if green.runtime() is None:
+        return keeper().keep(provider, lease, ttl, interval, renew=renew, label=label)
+    if renew is None:
+        kept = _green_keeper_().keep(provider, lease, ttl, interval, label=label)
+    else:
+        kept = keeper().keep(provider, lease, ttl, interval, renew=renew, label=label)
+    # Only once the lease is kept, what may switch to the event loop (a log handler that
+    # yields): a body blocking the loop meanwhile would otherwise hold this caller past a
+    # lease that nothing renews yet, and its commit would be refused.
+    start_log_relay()
+    flush_log()
+    return kept
 
 
 def stop(renewal: Renewal) -> None:
