@@ -97,12 +97,20 @@ def disarm(token: contextvars.Token[Pending | None]) -> None:
 
 
 def is_redis_transport(transport_cls: Any) -> bool:
-    """Whether ``transport_cls`` is kombu's Redis transport (or Sentinel's, a subclass)."""
+    """Whether ``transport_cls`` is kombu's Redis transport (or Sentinel's, a subclass) and
+    its channel pushes through the hook (installed here): a subclass whose channel overrides
+    ``_put`` or ``_put_fanout`` would push past the check, so it is checked first instead."""
     try:
-        from kombu.transport import redis as kombu_redis  # noqa: PLC0415 - optional
+        kombu_redis = _kombu_redis()
     except ImportError:  # pragma: no cover - redis-py is a dependency of the Redis backends
         return False
-    return isinstance(transport_cls, type) and issubclass(transport_cls, kombu_redis.Transport)
+    if not (isinstance(transport_cls, type) and issubclass(transport_cls, kombu_redis.Transport)):
+        return False
+    channel = getattr(transport_cls, "Channel", None)
+    return install() and all(
+        getattr(getattr(channel, name, None), "_celery_idempotent_hook", False)
+        for name in ("_put", "_put_fanout")
+    )
 
 
 def install() -> bool:
@@ -130,6 +138,9 @@ def install() -> bool:
             channel = kombu_redis.Channel
             setattr(channel, "_put", _hook(channel._put, fusable=True))  # noqa: B010
             setattr(channel, "_put_fanout", _hook(channel._put_fanout, fusable=False))  # noqa: B010
+            batch = getattr(kombu_redis, "PublishBatch", None)  # kombu >= 5.7
+            if batch is not None:
+                _watch_batches(batch)
             _installed = True
     return True
 
@@ -226,10 +237,14 @@ def _hook(original: Any, *, fusable: bool) -> Any:
         if goes_through(decision, pending.task_id):
             result = original(channel, queue_or_exchange, message, *args, **kwargs)
             pending.pushed = True
+            batch = kwargs.get("_publish_batch")
+            if batch is not None and decision.action == "publish" and not decision.unchecked:
+                _batch_marks(batch, "current").append(pending)
             return result
         raise Stopped(decision.action)
 
     put.__wrapped__ = original  # type: ignore[attr-defined]
+    put._celery_idempotent_hook = True  # type: ignore[attr-defined]
     put.__name__ = getattr(original, "__name__", "put")
     put.__doc__ = original.__doc__
     return put
@@ -259,6 +274,72 @@ def fused_push(
         log.warning("publish-side check and push not fused (kombu's channel: %r)", exc)
         return None
     return (name, _kombu_redis().dumps(message))  # a message kombu cannot encode: raised
+
+
+def _batch_marks(batch: Any, which: str) -> list[Pending]:
+    """The checks whose messages ``batch`` buffers: ``"current"``, the message being
+    published now; ``"buffered"``, the earlier ones not flushed yet."""
+    found: list[Pending] | None = batch.__dict__.get(f"_celery_idempotent_{which}")
+    if found is None:
+        found = batch.__dict__[f"_celery_idempotent_{which}"] = []
+    return found
+
+
+def _drop_marks(marks: list[Pending]) -> None:
+    """Remove the queued markers of messages a batch did not push (discarded, or its flush
+    failed: delivery uncertain; a marker kept for a lost message would block its key for
+    ``idempotency_publish_ttl``, a marker dropped for a pushed one costs a replay at most)."""
+    while marks:
+        pending = marks.pop()
+        try:
+            pending.store.drop_queued(pending.record, pending.task_id)
+        except Exception as exc:  # it expires after idempotency_publish_ttl
+            log.warning("could not remove the queued marker of %s: %r", pending.task_id, exc)
+
+
+def _watch_batches(cls: Any) -> None:
+    """Wrap kombu's Redis ``PublishBatch`` (``Producer.batch()``, kombu >= 5.7), which pushes
+    its messages when it flushes: a checked message's marker is dropped when the batch
+    discards the message or fails to flush it, and kept once a flush pushed it."""
+    publish, flush, discard = cls.publish, cls.flush, cls.discard
+
+    def watched_publish(self: Any, message: Any, **kwargs: Any) -> Any:
+        current = _batch_marks(self, "current")
+        current.clear()
+        try:
+            result = publish(self, message, **kwargs)
+        except BaseException:
+            _drop_marks(current)  # not buffered, or reset with the pipeline
+            raise
+        if getattr(self, "_buffered", 1):  # still buffered: flushed later, or discarded
+            _batch_marks(self, "buffered").extend(current)
+        current.clear()
+        return result
+
+    def watched_flush(self: Any, *args: Any, **kwargs: Any) -> Any:
+        buffered = _batch_marks(self, "buffered")
+        try:
+            result = flush(self, *args, **kwargs)
+        except BaseException:
+            _drop_marks(buffered)
+            raise
+        buffered.clear()
+        return result
+
+    def watched_discard(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return discard(self, *args, **kwargs)
+        finally:
+            _drop_marks(_batch_marks(self, "buffered"))
+
+    for name, wrapper, original in (
+        ("publish", watched_publish, publish),
+        ("flush", watched_flush, flush),
+        ("discard", watched_discard, discard),
+    ):
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__doc__ = original.__doc__
+        setattr(cls, name, wrapper)
 
 
 def _is_the_message(message: Any, pending: Pending) -> bool:

@@ -21,7 +21,6 @@ write cannot tell whether the write landed: :class:`CommitUnknownError`, not ``F
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -88,9 +87,8 @@ class TwoStepBackend:
         self._monotonic = monotonic
         # The leases whose record write was sent and not confirmed (its reply lost): a resend
         # looks before it writes again. Weak: an entry goes with its lease when the guard's
-        # call ends, however it ends.
+        # call ends, however it ends. Each lease is one thread's, so no lock is needed.
         self._unconfirmed: weakref.WeakKeyDictionary[Lease, bool] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.lock_provider!r}, {self.store!r})"
@@ -115,8 +113,7 @@ class TwoStepBackend:
         """Store ``record`` for ``ttl`` seconds while ``lease`` provably holds the lock, then
         release it. ``False`` when the lease is no longer held (nothing written);
         :class:`CommitUnknownError` when it was lost after a write whose reply was lost."""
-        with self._lock:
-            resent = lease in self._unconfirmed
+        resent = bool(self._unconfirmed) and lease in self._unconfirmed
         # Prove the lease (and give it a full lock_ttl for the write) right before writing,
         # and write only while that proof holds.
         proved = self._monotonic()
@@ -136,7 +133,8 @@ class TwoStepBackend:
             # the record (and its TTL); look first.
             found = backend_call(key, "store get", self.store.get, key)
             if found is not None and found.fencing_token == lease.fencing_token:
-                self._done(key, lease)
+                self._unconfirmed.pop(lease, None)
+                self._give_back(key, lease)
                 return True
         if self._monotonic() - proved >= self.lock_ttl:
             # The proof's reply (or the look-up) came back after a whole lease: the lease may
@@ -144,16 +142,15 @@ class TwoStepBackend:
             raise IdempotencyConnectionError(
                 key, f"the lease proof took longer than the lease ({self.lock_ttl}s)"
             )
-        with self._lock:
-            self._unconfirmed[lease] = True
-        backend_call(key, "store set", self.store.set, key, record, ttl)
-        self._done(key, lease)
-        return True
-
-    def _done(self, key: str, lease: Lease) -> None:
-        with self._lock:
+        try:
+            backend_call(key, "store set", self.store.set, key, record, ttl)
+        except IdempotencyConnectionError:
+            self._unconfirmed[lease] = True  # it may have landed: the guard sends it again
+            raise
+        if resent:
             self._unconfirmed.pop(lease, None)
         self._give_back(key, lease)
+        return True
 
     def _give_back(self, key: str, lease: Lease) -> None:
         release_quietly(self.lock_provider, lease, key)

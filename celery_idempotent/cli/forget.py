@@ -123,21 +123,21 @@ def _pg_forget(
     as_json: bool,
 ) -> None:
     """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
-    from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415
+    from celery_idempotent.postgres import admin as pg_admin  # noqa: PLC0415
 
     where = f"table {target.postgres.table} on {target.shown_url}"
     if not dry_run and not yes and not as_json:
         what = f"key {nkey}" if nkey is not None else f"every record of task {namespace}"
         click.confirm(f"Delete {what} from {where}?", abort=True)
     if nkey is not None:
-        doc = pg_cli.forget_one(target.postgres, target.prefix, nkey, dry_run=dry_run)
+        doc = pg_admin.forget_one(target.postgres, target.prefix, nkey, dry_run=dry_run)
         done = (
             f"{'would delete' if dry_run else 'deleted'} key {nkey}"
             if doc["state"] == "completed" and (dry_run or doc["deleted"])
             else f"key {nkey} is {doc['state'].replace('_', ' ')}: nothing deleted"
         )
     else:
-        doc = pg_cli.forget_task(target.postgres, target.prefix, namespace or "", dry_run=dry_run)
+        doc = pg_admin.forget_task(target.postgres, target.prefix, namespace or "", dry_run=dry_run)
         verb = "would delete" if dry_run else "deleted"
         done = f"{verb} {doc['records']} record(s) of task {namespace} from {where}"
         if doc["held"]:

@@ -38,10 +38,10 @@ def stats(
     """
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
     if target.postgres is not None:
-        from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415
+        from celery_idempotent.postgres import admin as pg_admin  # noqa: PLC0415
 
         space = None if task_name is None else target.namespace(task_name)
-        doc = pg_cli.stats(target.postgres, target.prefix, space)
+        doc = pg_admin.stats(target.postgres, target.prefix, space)
         if as_json:
             emit_json({**doc, "url": target.shown_url})
             return
