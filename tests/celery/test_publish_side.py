@@ -641,10 +641,12 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
     assert _publish_redis.install()
     assert _publish_redis.kombu_problem(kombu_redis) is None
     own_put = kombu_redis.Channel._put.__wrapped__  # type: ignore[attr-defined]
+    from kombu import Connection
+
     store = pub.charge.idempotency_guard().store
     queue = f"{pub.QUEUE}-pin-{tag()}"
-    with pub.app.producer_or_acquire() as producer:
-        channel = producer.channel
+
+    def compare(channel: Any, prefix: str) -> None:
         for priority in (None, 0, 1, 4, 6, 9, 255):
             message = {
                 "body": "e30=",
@@ -653,14 +655,26 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
             }
             push = _publish_redis.fused_push(channel, queue, message, store)
             assert push is not None
-            before = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            before = set(pub.client().scan_iter(f"{prefix}{queue}*"))
             own_put(channel, queue, message)
-            after = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            after = set(pub.client().scan_iter(f"{prefix}{queue}*"))
             (name,) = after - before or before
             assert push[0] == name.decode()
             assert pub.client().lpop(name) == (
                 push[1].encode() if isinstance(push[1], str) else push[1]
             )
+
+    with pub.app.producer_or_acquire() as producer:
+        compare(producer.channel, f"{pub.PREFIX}kombu:")
+    # Ten priority steps, another separator and prefix, priority order.
+    options = {
+        "global_keyprefix": f"{pub.PREFIX}k2:",
+        "priority_steps": list(range(10)),
+        "sep": ":",
+        "queue_order_strategy": "priority",
+    }
+    with Connection(pub.URL, transport_options=options) as connection:
+        compare(connection.default_channel, f"{pub.PREFIX}k2:")
     # What the script relies on, read from kombu's source shape.
     assert (
         _publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
