@@ -19,6 +19,7 @@ from celery_idempotent import (
     MemoryIdempotencyStore,
     MemoryLockProvider,
 )
+from celery_idempotent.protocols import Lease
 from celery_idempotent.two_step import TwoStepBackend
 
 LOCK, KEY = "p:lock:{k}", "p:{k}"
@@ -67,6 +68,26 @@ def record(fence: int | None, result: Any = "r") -> IdempotencyRecord:
     return IdempotencyRecord(result, None, 1.0, fence)
 
 
+def claimed(pair: TwoStepBackend) -> Lease:
+    lease = pair.claim(LOCK, KEY, 10.0).lease
+    assert lease is not None
+    return lease
+
+
+def commit(pair: TwoStepBackend, lease: Lease) -> bool:
+    return pair.commit(lease, KEY, record(lease.fencing_token), 60)
+
+
+def claimed_with_a_lost_write(pair: TwoStepBackend, records: LossyStore) -> Lease:
+    """A lease whose first commit wrote the record and lost the reply."""
+    lease = claimed(pair)
+    records.lose_next_reply = True
+    with pytest.raises(IdempotencyConnectionError):
+        commit(pair, lease)
+    assert records.sets == 1
+    return lease
+
+
 def test_a_claim_takes_the_lock_when_there_is_no_record(
     pair: TwoStepBackend, locks: MemoryLockProvider
 ) -> None:
@@ -103,9 +124,8 @@ def test_a_look_up_that_fails_gives_the_lock_back_and_says_which_step(
 def test_a_commit_writes_then_releases(
     pair: TwoStepBackend, locks: MemoryLockProvider, records: LossyStore
 ) -> None:
-    lease = pair.claim(LOCK, KEY, 10.0).lease
-    assert lease is not None
-    assert pair.commit(lease, KEY, record(lease.fencing_token), 60) is True
+    lease = claimed(pair)
+    assert commit(pair, lease) is True
     stored = records.get(KEY)
     assert stored is not None
     assert stored.fencing_token == lease.fencing_token
@@ -115,22 +135,17 @@ def test_a_commit_writes_then_releases(
 def test_a_commit_after_the_lease_ran_out_writes_nothing(
     pair: TwoStepBackend, records: LossyStore, clock: Any
 ) -> None:
-    lease = pair.claim(LOCK, KEY, 10.0).lease
-    assert lease is not None
+    lease = claimed(pair)
     clock.advance(11)
-    assert pair.commit(lease, KEY, record(lease.fencing_token), 60) is False
+    assert commit(pair, lease) is False
     assert records.sets == 0
 
 
 def test_a_resend_after_a_lost_reply_finds_the_write_and_does_not_write_again(
     pair: TwoStepBackend, locks: MemoryLockProvider, records: LossyStore
 ) -> None:
-    lease = pair.claim(LOCK, KEY, 10.0).lease
-    assert lease is not None
-    records.lose_next_reply = True
-    with pytest.raises(IdempotencyConnectionError):
-        pair.commit(lease, KEY, record(lease.fencing_token), 60)
-    assert pair.commit(lease, KEY, record(lease.fencing_token), 60) is True
+    lease = claimed_with_a_lost_write(pair, records)
+    assert commit(pair, lease) is True
     assert records.sets == 1  # looked, found its own record, did not replace it
     assert not locks.is_locked(LOCK)
 
@@ -138,14 +153,10 @@ def test_a_resend_after_a_lost_reply_finds_the_write_and_does_not_write_again(
 def test_a_lease_lost_after_a_write_of_unknown_outcome_is_unknown_not_false(
     pair: TwoStepBackend, records: LossyStore, clock: Any
 ) -> None:
-    lease = pair.claim(LOCK, KEY, 10.0).lease
-    assert lease is not None
-    records.lose_next_reply = True
-    with pytest.raises(IdempotencyConnectionError):
-        pair.commit(lease, KEY, record(lease.fencing_token), 60)
+    lease = claimed_with_a_lost_write(pair, records)
     clock.advance(11)  # the lease runs out before the resend
     with pytest.raises(CommitUnknownError, match="may or may not be stored"):
-        pair.commit(lease, KEY, record(lease.fencing_token), 60)
+        commit(pair, lease)
 
 
 def test_a_write_is_not_sent_when_its_proof_came_back_after_a_whole_lease(
@@ -153,8 +164,7 @@ def test_a_write_is_not_sent_when_its_proof_came_back_after_a_whole_lease(
 ) -> None:
     ticks = iter([0.0, 10.0])  # the proof's reply took the whole lock_ttl
     pair = TwoStepBackend(locks, records, 10.0, monotonic=lambda: next(ticks))
-    lease = pair.claim(LOCK, KEY, 10.0).lease
-    assert lease is not None
+    lease = claimed(pair)
     with pytest.raises(IdempotencyConnectionError, match="longer than the lease"):
-        pair.commit(lease, KEY, record(lease.fencing_token), 60)
+        commit(pair, lease)
     assert records.sets == 0
