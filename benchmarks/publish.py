@@ -196,13 +196,13 @@ def _call(kind: str, counter: int, tag: str) -> tuple[int, str]:
 
 def _fuses(app: Celery, task: Any) -> bool:
     """Whether the check of ``task`` travels with the broker's push (store on its Redis)."""
-    from celery_idempotent import _publish_redis
+    from celery_idempotent import publish_redis
     from celery_idempotent.factory import factory
 
     task = getattr(task, "_get_current_object", lambda: task)()
     store = factory.guard(task, task.idempotency_settings()).store
     with app.producer_or_acquire() as producer:
-        return _publish_redis.can_fuse(producer.channel, store)
+        return publish_redis.can_fuse(producer.channel, store)
 
 
 def _delete(client: redis.Redis, prefix: str) -> None:

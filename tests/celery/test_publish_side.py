@@ -636,10 +636,10 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
     changes its ``_put`` fails here, not in production."""
     from kombu.transport import redis as kombu_redis
 
-    from celery_idempotent import _publish_redis
+    from celery_idempotent import publish_redis
 
-    assert _publish_redis.install()
-    assert _publish_redis.kombu_problem(kombu_redis) is None
+    assert publish_redis.install()
+    assert publish_redis.kombu_problem(kombu_redis) is None
     own_put = kombu_redis.Channel._put.__wrapped__  # type: ignore[attr-defined]
     from kombu import Connection
 
@@ -653,7 +653,7 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
                 "headers": {"id": tag(), "task": "pub.charge"},
                 "properties": {"priority": priority, "delivery_info": {}},
             }
-            push = _publish_redis.fused_push(channel, queue, message, store)
+            push = publish_redis.fused_push(channel, queue, message, store)
             assert push is not None
             before = set(pub.client().scan_iter(f"{prefix}{queue}*"))
             own_put(channel, queue, message)
@@ -677,7 +677,7 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
         compare(connection.default_channel, f"{pub.PREFIX}k2:")
     # What the script relies on, read from kombu's source shape.
     assert (
-        _publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
+        publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
     )
 
     class NewPut:
@@ -685,7 +685,7 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
         def _q_for_pri(self, queue: str, pri: int) -> str: ...
         def _get_message_priority(self, message: Any, reverse: bool = False) -> int: ...
 
-    problem = _publish_redis.kombu_problem(type("M", (), {"Channel": NewPut, "dumps": len}))
+    problem = publish_redis.kombu_problem(type("M", (), {"Channel": NewPut, "dumps": len}))
     assert problem is not None
     assert "_put" in problem
 
