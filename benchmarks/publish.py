@@ -8,7 +8,9 @@ queued marker and the message is published):
 - ``checked``: ``base=IdempotentTask``, the idempotency store on the broker's Redis and
   database: the check and kombu's push travel as one script (one round trip, as plain);
 - ``two_step``: the same task with its store on another database of the same server: the
-  check (one round trip), then kombu's own push (another), as with a broker on another Redis.
+  check (one round trip), then kombu's own push (another), as with a broker on another Redis;
+- ``duplicate``: the ``checked`` task called again and again with the same arguments: every
+  publish but the first is a duplicate the check stops (one script, no message).
 
 Blocks of ``calls`` publishes take turns, the order rotated every round. Reported: publishes
 per second of each kind over all rounds, the ratio to plain over all rounds and as the median
@@ -31,7 +33,7 @@ from celery import Celery
 
 from benchmarks._counting import Counter, counting_client
 
-KINDS = ("plain", "checked", "two_step")
+KINDS = ("plain", "checked", "two_step", "duplicate")
 
 
 class _Requests:
@@ -117,7 +119,7 @@ def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
         return i
 
     reset_backends()
-    tasks = {"plain": plain, "checked": checked, "two_step": two_step}
+    tasks = {"plain": plain, "checked": checked, "two_step": two_step, "duplicate": checked}
     seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
     idem_trips = dict.fromkeys(KINDS, 0)
     requests = dict.fromkeys(KINDS, 0)
@@ -128,10 +130,11 @@ def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
             for warm in range(50):
                 for task in tasks.values():
                     task.apply_async((warm, "warm"))
+            checked.apply_async((0, "duplicate"))  # the first: published, then stopped
             for kind, task in tasks.items():  # one publish each, traced
                 _Requests.names = []
                 counter += 1
-                task.apply_async((counter, "trace"))
+                task.apply_async(_call(kind, counter, "trace"))
                 commands[kind] = _Requests.names
                 _Requests.names = None
             fused = {
@@ -139,14 +142,14 @@ def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
                 for kind, app_of in (("checked", app), ("two_step", app_other))
             }
             for r in range(rounds):
-                order = list(KINDS[r % 3 :] + KINDS[: r % 3])
+                order = list(KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)])
                 for kind in order:
                     task = tasks[kind]
                     before, sent = Counter.sends, _Requests.sends
                     t0 = time.perf_counter()
                     for _ in range(calls):
                         counter += 1
-                        task.apply_async((counter, "run"))
+                        task.apply_async(_call(kind, counter, "run"))
                     seconds[kind].append(time.perf_counter() - t0)
                     idem_trips[kind] += Counter.sends - before
                     requests[kind] += _Requests.sends - sent
@@ -174,6 +177,10 @@ def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
         "ratio_median_of_rounds": round(statistics.median(per_round["checked"]), 3),
         "ratio_two_step": round(total["plain"] / total["two_step"], 3),
         "ratio_two_step_median_of_rounds": round(statistics.median(per_round["two_step"]), 3),
+        "duplicate_per_s": round(n / total["duplicate"]),
+        "duplicate_us": round(total["duplicate"] / n * 1e6, 1),
+        "ratio_duplicate": round(total["plain"] / total["duplicate"], 3),
+        "ratio_duplicate_median_of_rounds": round(statistics.median(per_round["duplicate"]), 3),
         "idempotency_round_trips_per_publish": idem_trips["checked"] / n,
         "idempotency_round_trips_per_publish_two_step": idem_trips["two_step"] / n,
         "redis_requests_per_publish": {kind: requests[kind] / n for kind in KINDS},
@@ -182,15 +189,20 @@ def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
     }
 
 
+def _call(kind: str, counter: int, tag: str) -> tuple[int, str]:
+    """The arguments of one publish: distinct each time, but for ``duplicate``'s (stopped)."""
+    return (0, "duplicate") if kind == "duplicate" else (counter, tag)
+
+
 def _fuses(app: Celery, task: Any) -> bool:
     """Whether the check of ``task`` travels with the broker's push (store on its Redis)."""
-    from celery_idempotent import _publish_redis
+    from celery_idempotent import publish_redis
     from celery_idempotent.factory import factory
 
     task = getattr(task, "_get_current_object", lambda: task)()
     store = factory.guard(task, task.idempotency_settings()).store
     with app.producer_or_acquire() as producer:
-        return _publish_redis.can_fuse(producer.channel, store)
+        return publish_redis.can_fuse(producer.channel, store)
 
 
 def _delete(client: redis.Redis, prefix: str) -> None:

@@ -311,6 +311,17 @@ def _render_publish(pub: dict[str, Any]) -> list[str]:
             pub["ratio_two_step_median_of_rounds"],
         ),
     ]
+    if "duplicate_per_s" in pub:
+        rows.append(
+            (
+                "IdempotentTask, a duplicate stopped at publish (no message)",
+                "duplicate",
+                pub["duplicate_per_s"],
+                pub["duplicate_us"],
+                pub["ratio_duplicate"],
+                pub["ratio_duplicate_median_of_rounds"],
+            )
+        )
     lines = [
         f"Publish throughput ({pub['rounds']} rounds × {pub['calls']} apply_async per kind, "
         "interleaved, to a queue no worker consumes):",

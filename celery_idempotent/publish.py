@@ -4,7 +4,7 @@
 worker will, asks the store (``check_publish``) whether the key is completed, queued or
 running, and either returns a result object without publishing or sets a "queued" marker and
 publishes (removing the marker if the publish fails). With kombu's Redis transport the check
-runs where kombu pushes the message (:mod:`celery_idempotent._publish_redis`): on the store's
+runs where kombu pushes the message (:mod:`celery_idempotent.publish_redis`): on the store's
 own Redis, the check, the marker and the push are one script, one round trip. The schedule slot
 (``idempotency_window``) is stamped into the message's headers here. The worker ends the marker
 of a body that failed for good with :func:`drop_queued_marker`.
@@ -22,7 +22,7 @@ from celery import states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_idempotent import _publish_redis, keyspace, signals
+from celery_idempotent import keyspace, publish_redis, signals
 from celery_idempotent.exceptions import (
     DuplicatePublishError,
     IdempotencyBackendError,
@@ -106,12 +106,12 @@ def publish(
         return plan.result
     if plan.check is None or plan.task_id is None:
         return send(plan.task_id or task_id, options, producer)
-    if _through_redis_broker(task.app, options, producer) and _publish_redis.install():
+    if _through_redis_broker(task.app, options, producer) and publish_redis.install():
         return _checked_publish(
             task, plan.task_id, plan.check, options, send=send, producer=producer
         )
     decision = _check(task, plan.task_id, plan.check)
-    if decision is not None and not _publish_redis.goes_through(decision, plan.task_id):
+    if decision is not None and not publish_redis.goes_through(decision, plan.task_id):
         return _duplicate_publish(task, plan.check, decision)
     try:
         return send(plan.task_id, options, producer)
@@ -131,11 +131,11 @@ def _checked_publish(
     producer: Any,
 ) -> Any:
     """Publish through kombu's Redis transport with the check where kombu pushes the message
-    (``_publish_redis``): one round trip for both when the broker is the store's Redis."""
-    pending = _publish_redis.Pending(
+    (``publish_redis``): one round trip for both when the broker is the store's Redis."""
+    pending = publish_redis.Pending(
         check.store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
     )
-    token = _publish_redis.arm(pending)
+    token = publish_redis.arm(pending)
     stopped = False
     try:
         # The producer is taken from the pool here rather than in Celery's send_task: a
@@ -145,7 +145,7 @@ def _checked_publish(
         with task.app.producer_or_acquire(producer) as acquired:
             try:
                 result = send(task_id, options, acquired)
-            except _publish_redis.Stopped:
+            except publish_redis.Stopped:
                 stopped = True
     except BaseException:
         # The publish failed before its message reached the broker: remove the marker the
@@ -161,7 +161,7 @@ def _checked_publish(
             _drop_marker(task, task_id, check, PublishDecision("publish"))
         raise
     finally:
-        _publish_redis.disarm(token)
+        publish_redis.disarm(token)
     if stopped:
         decision = pending.decision
         if decision is None:  # pragma: no cover - Stopped always carries its decision
@@ -223,14 +223,14 @@ def _through_redis_broker(app: Any, options: dict[str, Any], producer: Any) -> b
     if options.get("connection") is not None:
         return False  # published on another connection than the app's
     if producer is not None:
-        return _publish_redis.is_redis_transport(type(producer.connection.transport))
+        return publish_redis.is_redis_transport(type(producer.connection.transport))
     found = _redis_brokers.get(app)
     if found is None:
         found = False
         if app.conf.get("task_protocol") != 1:  # protocol 1: the task id is not in the headers
             connection = app.connection_for_write()
             try:
-                found = _publish_redis.is_redis_transport(connection.get_transport_cls())
+                found = publish_redis.is_redis_transport(connection.get_transport_cls())
             finally:
                 connection.release()
         _redis_brokers[app] = found

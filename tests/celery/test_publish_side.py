@@ -636,34 +636,48 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
     changes its ``_put`` fails here, not in production."""
     from kombu.transport import redis as kombu_redis
 
-    from celery_idempotent import _publish_redis
+    from celery_idempotent import publish_redis
 
-    assert _publish_redis.install()
-    assert _publish_redis.kombu_problem(kombu_redis) is None
+    assert publish_redis.install()
+    assert publish_redis.kombu_problem(kombu_redis) is None
     own_put = kombu_redis.Channel._put.__wrapped__  # type: ignore[attr-defined]
+    from kombu import Connection
+
     store = pub.charge.idempotency_guard().store
     queue = f"{pub.QUEUE}-pin-{tag()}"
-    with pub.app.producer_or_acquire() as producer:
-        channel = producer.channel
+
+    def compare(channel: Any, prefix: str) -> None:
         for priority in (None, 0, 1, 4, 6, 9, 255):
             message = {
                 "body": "e30=",
                 "headers": {"id": tag(), "task": "pub.charge"},
                 "properties": {"priority": priority, "delivery_info": {}},
             }
-            push = _publish_redis.fused_push(channel, queue, message, store)
+            push = publish_redis.fused_push(channel, queue, message, store)
             assert push is not None
-            before = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            before = set(pub.client().scan_iter(f"{prefix}{queue}*"))
             own_put(channel, queue, message)
-            after = set(pub.client().scan_iter(f"{pub.PREFIX}kombu:{queue}*"))
+            after = set(pub.client().scan_iter(f"{prefix}{queue}*"))
             (name,) = after - before or before
             assert push[0] == name.decode()
             assert pub.client().lpop(name) == (
                 push[1].encode() if isinstance(push[1], str) else push[1]
             )
+
+    with pub.app.producer_or_acquire() as producer:
+        compare(producer.channel, f"{pub.PREFIX}kombu:")
+    # Ten priority steps, another separator and prefix, priority order.
+    options = {
+        "global_keyprefix": f"{pub.PREFIX}k2:",
+        "priority_steps": list(range(10)),
+        "sep": ":",
+        "queue_order_strategy": "priority",
+    }
+    with Connection(pub.URL, transport_options=options) as connection:
+        compare(connection.default_channel, f"{pub.PREFIX}k2:")
     # What the script relies on, read from kombu's source shape.
     assert (
-        _publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
+        publish_redis.kombu_problem(type("M", (), {"Channel": object, "dumps": None})) is not None
     )
 
     class NewPut:
@@ -671,7 +685,7 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
         def _q_for_pri(self, queue: str, pri: int) -> str: ...
         def _get_message_priority(self, message: Any, reverse: bool = False) -> int: ...
 
-    problem = _publish_redis.kombu_problem(type("M", (), {"Channel": NewPut, "dumps": len}))
+    problem = publish_redis.kombu_problem(type("M", (), {"Channel": NewPut, "dumps": len}))
     assert problem is not None
     assert "_put" in problem
 
@@ -1083,3 +1097,108 @@ def test_a_message_kombu_routes_to_no_queue_sets_no_marker(pub: ModuleType) -> N
     assert keyspace.parse_queued(pub.client().get(_record(pub, t, 11)))[0] == first.id  # type: ignore[index]
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list)
+
+
+def test_over_rabbitmq_the_check_comes_first_and_a_failed_publish_drops_its_marker(
+    pub: ModuleType, rabbitmq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RabbitMQ (no hook): the check is its own round trip before the publish. Three
+    publishes of one call are one message in the queue with one id; a publish that fails in
+    Celery after the check removes the marker it set, so the call publishes again."""
+    from celery import Celery
+    from kombu import Connection
+
+    from celery_idempotent import IdempotentTask
+
+    t = tag()
+    queue = f"pub-rabbit-{t}"
+    app = Celery("pub_rabbit", set_as_current=False)
+    app.conf.update(
+        broker_url=rabbitmq_url,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        idempotency_url=pub.URL,
+        idempotency_key_prefix=f"{pub.PREFIX}idem:",
+    )
+
+    @app.task(base=IdempotentTask, shared=False, name="pub.charge")
+    def charge(tag: str, amount: int) -> int:
+        return amount
+
+    def waiting() -> int:
+        with Connection(rabbitmq_url, connect_timeout=5) as connection:
+            return int(connection.default_channel.queue_declare(queue, passive=True).message_count)
+
+    try:
+        sent = _redis_commands(monkeypatch)
+        first = charge.apply_async((t, 12), queue=queue)
+        assert sent == ["EVALSHA"]  # the check; the publish went to RabbitMQ
+        assert charge.apply_async((t, 12), queue=queue).id == first.id
+        assert charge.apply_async((t, 12), queue=queue, task_id=f"x-{t}").id == first.id
+        deadline = time.monotonic() + 5
+        while waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert waiting() == 1
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("Celery failed before the publish")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(app.amqp, "send_task_message", broken)
+            with pytest.raises(RuntimeError, match="before the publish"):
+                charge.apply_async((f"{t}-b", 12), queue=queue)
+        assert not pub.client().exists(_record(pub, f"{t}-b", 12))
+        again = charge.apply_async((f"{t}-b", 12), queue=queue)
+        assert keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-b", 12)))[0] == again.id  # type: ignore[index]
+    finally:
+        with Connection(rabbitmq_url, connect_timeout=5) as connection:
+            connection.default_channel.queue_delete(queue)
+        app.close()
+        reset_backends()
+
+
+def test_kombus_publish_retry_pushes_once_after_one_check(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store on another database (the check, then kombu's push) and the push failing
+    once with a connection error: kombu's publish retry pushes again without a second check
+    (the first one's marker names this message), one message; its duplicate is stopped."""
+    t = tag()
+    queue = f"{pub.QUEUE}-retry"
+    broker_list = _fresh_list(pub, queue)
+    other_url = pub.URL.rsplit("/", 1)[0] + "/1"
+    charge_class = type(pub.app.tasks["pub.charge"])
+    charge_class.idempotency_url = other_url
+    idem_settings.clear_cache()
+    reset_backends()
+    other = redis.Redis.from_url(other_url)
+    failures = [redis.ConnectionError("the broker connection dropped")]
+    lpush = redis.Redis.lpush
+
+    def flaky_lpush(self: Any, name: Any, *values: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return lpush(self, name, *values)
+
+    try:
+        monkeypatch.setattr(redis.Redis, "lpush", flaky_lpush)
+        sent = _redis_commands(monkeypatch)
+        first = pub.charge.apply_async((t, 13), queue=queue)
+        assert not failures  # the failure happened, and kombu retried
+        assert sent.count("EVALSHA") == 1
+        assert pub.client().llen(broker_list) == 1
+        record = keyspace.record_name(
+            f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 13), {})
+        )
+        assert keyspace.parse_queued(other.get(record))[0] == first.id  # type: ignore[index]
+        assert pub.charge.apply_async((t, 13), queue=queue).id == first.id
+        assert pub.client().llen(broker_list) == 1
+    finally:
+        charge_class.idempotency_url = None
+        idem_settings.clear_cache()
+        reset_backends()
+        delete_keys_with_prefix(other, pub.PREFIX)
+        other.close()
+        pub.client().delete(broker_list)

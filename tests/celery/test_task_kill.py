@@ -16,7 +16,9 @@ from types import ModuleType
 
 import pytest
 
+from celery_idempotent import keyspace
 from tests.celery.cidem_helpers import count, key_of, signal_count
+from tests.support.leases import lease_held
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 
@@ -63,16 +65,19 @@ def test_killed_child_reruns_only_after_the_lease_expired_never_concurrently(
     # before killed_at + remaining (a renewal between this read and the kill only delays it)
     pipe = cidem.client().pipeline(transaction=True)
     pipe.time()
-    pipe.pttl(lock)
-    (sec, usec), remaining_ms = pipe.execute()
+    pipe.get(lock)
+    (sec, usec), value = pipe.execute()
     killed_at = sec + usec / 1_000_000
+    deadline_ms = keyspace.parse_lock(value.decode()).deadline_ms
+    assert deadline_ms is not None
+    remaining_ms = deadline_ms - (sec * 1_000_000 + usec) // 1000
     assert remaining_ms > LOCK_TTL * 1000 * 2 / 3 - 200  # renewed: more than the first ttl left
     worker.kill_child(victim)
     # a duplicate (another task id) published now finds the dead run's lease still alive
     duplicate = task.apply_async((tag, 30.0))
 
     # the killed run's lease lives on until lock_ttl after its last renewal, then expires
-    wait_for(lambda: not cidem.client().exists(lock), LOCK_TTL + 5, 0.01, "lease expiry")
+    wait_for(lambda: not lease_held(cidem.client(), lock), LOCK_TTL + 5, 0.01, "lease expiry")
     value = result.get(timeout=TIMEOUT)
     assert duplicate.get(timeout=TIMEOUT) == value
 

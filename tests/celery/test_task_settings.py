@@ -17,6 +17,7 @@ from celery_idempotent import IdempotentTask, LockAcquisitionError, current_leas
 from celery_idempotent._redis import glob_escape
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
 from tests.celery.cidem_helpers import key_of, redis_names
+from tests.support.leases import lease_left_ms
 
 pytestmark = pytest.mark.usefixtures("fresh_config")
 
@@ -328,7 +329,7 @@ def test_ttl_and_lock_ttl_reach_redis(redis_app: Callable[..., Celery], redis_cl
     def body(x: int) -> int:
         lease = current_lease()
         assert lease is not None
-        seen["lock_pttl"] = redis_client.pttl(lease.resource)
+        seen["lock_pttl"] = lease_left_ms(redis_client, lease.resource)
         return x
 
     assert body.apply((1,)).get() == 1

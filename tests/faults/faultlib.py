@@ -22,6 +22,7 @@ from celery.result import AsyncResult
 
 from celery_idempotent.servers.redis_server import forget_pending_results
 from tests.faults.fault_app import env_for, make_app
+from tests.support.leases import lease_held
 from tests.support.redis_server import RedisServer
 from tests.support.workers import CeleryWorker
 
@@ -130,11 +131,12 @@ def wait_ready(results: Iterable[AsyncResult], timeout: float) -> list[AsyncResu
 
 
 def lock_names(client: redis.Redis, prefix: str) -> list[bytes]:
-    """Locks (not fences) under ``prefix`` that exist right now."""
+    """Locks (not fences) under ``prefix`` whose lease is held right now (a lock whose lease
+    ended without a commit stays a while as a tombstone that keeps its fencing token)."""
     return [
         name
         for name in client.scan_iter(match=f"{prefix}lock:*", count=1000)
-        if not name.endswith(b":fence")
+        if not name.endswith(b":fence") and lease_held(client, name)
     ]
 
 

@@ -31,6 +31,7 @@ from celery_idempotent.keys import slot_key
 from celery_idempotent.servers.processes import free_port
 from tests.faults.fault_app import finalize_quietly
 from tests.faults.faultlib import record_figures
+from tests.support.leases import is_tombstone, lease_held
 from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]
@@ -43,11 +44,12 @@ def counted() -> None:
 
 
 def keys_under(client: redis.Redis, prefix: str) -> list[bytes]:
-    """Every key under ``prefix`` except the fence counters (they outlive leases by design)."""
+    """Every key under ``prefix`` except those that outlive leases by design to keep fencing
+    tokens increasing: fence keys, and locks whose lease has ended (tombstones)."""
     return sorted(
         name
         for name in client.scan_iter(match=f"{prefix}*", count=1000)
-        if not name.endswith(b":fence")
+        if not name.endswith(b":fence") and not is_tombstone(client, name)
     )
 
 
@@ -161,7 +163,7 @@ def test_odd_keys_work_stay_distinct_and_share_one_cluster_slot(
         assert guard.execute(key, lambda: "again") == name, f"{name}: not replayed"
         lock, record = guard.lock_resource(key), guard.record_key(key)
         assert redis_client.exists(record), f"{name}: no record under {record[:80]!r}"
-        assert not redis_client.exists(lock), f"{name}: lock left behind"
+        assert not lease_held(redis_client, lock), f"{name}: lock left behind"
         assert key_slot(lock.encode()) == key_slot(record.encode()), f"{name}: slots differ"
         assert record.startswith(key_prefix)
         assert len(record) < len(key_prefix) + 300, "long keys are shortened in Redis names"
@@ -376,5 +378,5 @@ def test_a_mismatch_is_refused_without_running_or_overwriting(
     assert info.value.key == "pay"
     assert info.value.stored_fingerprint != info.value.fingerprint
     assert guard.execute("pay", lambda: "again", input={"amount": 10}) == "charged"
-    assert not redis_client.exists(guard.lock_resource("pay"))
+    assert not lease_held(redis_client, guard.lock_resource("pay"))
     counted()

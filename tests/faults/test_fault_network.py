@@ -28,6 +28,7 @@ from celery_idempotent import (
     current_lease,
 )
 from tests.faults.faultlib import record_figures
+from tests.support.leases import lease_held, lease_left_ms
 from tests.support.proxy import TcpProxy
 
 ProxyFactory = Callable[..., TcpProxy]
@@ -104,7 +105,7 @@ def test_lease_lost_to_a_network_fault_gives_lock_lost_and_never_overwrites_the_
         proxy.cut()
     faulted_at = time.monotonic()
     # The lease runs out on the server's clock, renewals or not.
-    while direct.exists(resource):
+    while lease_held(direct, resource):
         assert time.monotonic() - faulted_at < LOCK_TTL + 2, "A's lease outlived the fault"
         time.sleep(0.02)
     expired_after = time.monotonic() - faulted_at
@@ -167,7 +168,7 @@ def test_a_short_stall_is_ridden_out_by_renewals(
 
     assert a.execute("short-stall", body) == "done"
     assert a.store.get(a.record_key("short-stall")) is not None
-    assert not direct.exists(a.lock_resource("short-stall"))
+    assert not lease_held(direct, a.lock_resource("short-stall"))
 
 
 def test_commands_through_a_stalled_proxy_fail_with_the_library_error_not_a_hang(
@@ -188,7 +189,7 @@ def test_commands_through_a_stalled_proxy_fail_with_the_library_error_not_a_hang
     # The claim that timed out was queued, not lost: it may take the lock when the network
     # returns. Its lease is an ordinary one and runs out within lock_ttl.
     time.sleep(0.2)
-    pttl = direct.pttl(a.lock_resource("stalled"))
+    pttl = lease_left_ms(direct, a.lock_resource("stalled"))
     assert pttl == -2 or 0 < pttl <= LOCK_TTL * 1000
     time.sleep(max(pttl, 0) / 1000 + 0.05)
     assert a.execute("stalled", lambda: 3) == 3

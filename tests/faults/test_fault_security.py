@@ -35,6 +35,7 @@ from celery_idempotent import (
 )
 from tests.faults.fault_app import finalize_quietly
 from tests.faults.faultlib import record_figures
+from tests.support.leases import lease_left_ms
 from tests.support.redis_server import RedisServer
 
 ServerFactory = Callable[..., RedisServer]
@@ -183,7 +184,7 @@ def test_a_foreign_holder_can_neither_release_nor_renew(
     resource = f"{key_prefix}lock:{{account-1}}"
     lease = alice.acquire(resource, 5.0)
     assert lease is not None
-    pttl = int(redis_client.pttl(resource))
+    pttl = lease_left_ms(redis_client, resource)
     assert mallory.acquire(resource, 5.0) is None
     forged = [
         Lease(resource, "0" * 24 + "@mallory", lease.fencing_token),
@@ -198,7 +199,7 @@ def test_a_foreign_holder_can_neither_release_nor_renew(
         assert alice.release(fake) is False, "the token decides, not the provider"
         FIGURES["forged_releases_refused"] += 1
     assert mallory.holder(resource) == lease.token
-    assert int(redis_client.pttl(resource)) <= pttl, "a forged extend lengthened the lease"
+    assert lease_left_ms(redis_client, resource) <= pttl, "a forged extend lengthened the lease"
     assert alice.release(lease) is True
 
 
@@ -217,7 +218,7 @@ def test_an_expired_holder_can_neither_release_nor_renew_the_next_holders_lease(
     assert old.extend(stale, 60.0) is False
     assert old.release(stale) is False
     assert new.holder(resource) == current.token
-    assert 0 < int(redis_client.pttl(resource)) <= 5000
+    assert 0 < lease_left_ms(redis_client, resource) <= 5000
     FIGURES["forged_releases_refused"] += 2
 
 

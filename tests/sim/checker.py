@@ -471,7 +471,7 @@ class Checker:
         """The last key that floors ``grant``'s next token by the highest token went away
         (``old`` still had it): how. Expiry must wait until the server clock has passed the
         token (a lock: by the margin)."""
-        _proc, role, _token, cause, _now_ms = ctx
+        proc, role, _token, cause, _now_ms = ctx
         if not ks.max_fence or ks.layout.token_forgotten(old, grant):
             return "none"  # nothing was granted yet, or it was dropped before (seen now)
         if cause == "data-loss":
@@ -491,9 +491,9 @@ class Checker:
             what = "lock" if old.lock_present else "record or fence key"
             raise self.violated(
                 "fence",
-                f"the {what} of {key} carrying fencing token {ks.max_fence} expired at server "
-                f"time {now_us}, {(need - now_us) / 1e6:.3f}s before the clock had passed the "
-                "token by the documented margin",
+                f"the {what} of {key} carrying fencing token {ks.max_fence} went away at server "
+                f"time {now_us} ({proc or 'nobody'}'s {role}), {(need - now_us) / 1e6:.3f}s "
+                "before the clock had passed the token by the documented margin",
             )
         return "time"
 

@@ -139,7 +139,9 @@ def install() -> bool:
             setattr(channel, "_put", _hook(channel._put, fusable=True))  # noqa: B010
             setattr(channel, "_put_fanout", _hook(channel._put_fanout, fusable=False))  # noqa: B010
             batch = getattr(kombu_redis, "PublishBatch", None)  # kombu >= 5.7
-            if batch is not None:
+            if isinstance(batch, type) and all(
+                callable(getattr(batch, name, None)) for name in ("publish", "flush", "discard")
+            ):
                 _watch_batches(batch)
             _installed = True
     return True
@@ -238,7 +240,11 @@ def _hook(original: Any, *, fusable: bool) -> Any:
             result = original(channel, queue_or_exchange, message, *args, **kwargs)
             pending.pushed = True
             batch = kwargs.get("_publish_batch")
-            if batch is not None and decision.action == "publish" and not decision.unchecked:
+            if (
+                isinstance(batch, _watched_batches)
+                and decision.action == "publish"
+                and not decision.unchecked
+            ):
                 _batch_marks(batch, "current").append(pending)
             return result
         raise Stopped(decision.action)
@@ -274,6 +280,14 @@ def fused_push(
         log.warning("publish-side check and push not fused (kombu's channel: %r)", exc)
         return None
     return (name, _kombu_redis().dumps(message))  # a message kombu cannot encode: raised
+
+
+class _NoBatches:
+    """What :data:`_watched_batches` is while kombu has no ``PublishBatch`` (before 5.7)."""
+
+
+#: kombu's Redis ``PublishBatch`` once wrapped (a batch of another class is not tracked).
+_watched_batches: type = _NoBatches
 
 
 def _batch_marks(batch: Any, which: str) -> list[Pending]:
@@ -340,6 +354,8 @@ def _watch_batches(cls: Any) -> None:
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         wrapper.__doc__ = original.__doc__
         setattr(cls, name, wrapper)
+    global _watched_batches  # noqa: PLW0603 - once per process, under the install lock
+    _watched_batches = cls
 
 
 def _is_the_message(message: Any, pending: Pending) -> bool:
