@@ -263,20 +263,34 @@ def bound_arguments(
     """The call's arguments by parameter name, defaults applied: f(1) == f(x=1)."""
     cls = type(task)
     # One signature per task class (computing it costs more than the rest of the call).
-    signature = cls.__dict__.get("_idempotency_signature")
-    if signature is None or signature[0] is not cls.run:
+    cached = cls.__dict__.get("_idempotency_signature")
+    if cached is None or cached[0] is not cls.run:
         try:
-            signature = (cls.run, inspect.signature(task.run))
+            sig = inspect.signature(task.run)
         except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
             return {"args": list(args), "kwargs": dict(kwargs)}
-        cls._idempotency_signature = signature
-    signature = signature[1]
+        cached = (cls.run, sig, _plain_names(sig))
+        cls._idempotency_signature = cached
+    _, signature, names = cached
+    if names is not None and not kwargs and len(args) == len(names):
+        # Every parameter given by position, none of them special: what bind() and
+        # apply_defaults() give, at a fifth of their cost.
+        return dict(zip(names, args))
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{task.name}: {exc}") from exc
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _plain_names(signature: inspect.Signature) -> tuple[str, ...] | None:
+    """The parameters' names when each is a plain one (positional or keyword, no ``*args``,
+    ``**kwargs``, positional-only or keyword-only), else ``None``."""
+    params = signature.parameters.values()
+    if all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return tuple(p.name for p in params)
+    return None
 
 
 def _format_key(template: str, payload: dict[str, Any], task_name: str) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from celery import Celery, chain, chord, group
+from celery import Celery, Task, chain, chord, current_task, group
 from celery.exceptions import Ignore, Reject
 
 from celery_idempotent import (
@@ -70,6 +70,69 @@ def test_apply_runs_once_and_replays(make_app: Callable[..., Celery], calls: Cal
     assert second.get() == first.get()
     assert other.get()["order"] == 2
     assert calls["pay"] == 2
+
+
+def test_the_body_sees_its_delivery_as_a_plain_task_does(
+    make_app: Callable[..., Celery], calls: Calls
+) -> None:
+    """The body is run without Task.__call__'s copy of the request: what it reads from
+    ``self.request`` and ``current_task`` is the delivery's own, as in a plain task."""
+    app = make_app()
+
+    @app.task(shared=False, bind=True, base=IdempotentTask)
+    def pay(self: Any, order: int, amount: int = 5) -> dict[str, Any]:
+        calls("pay")
+        request = self.request
+        return {
+            "id": request.id,
+            "args": list(request.args),
+            "kwargs": dict(request.kwargs),
+            "current": current_task.name if current_task else None,
+            "lease": current_lease() is not None,
+        }
+
+    first = pay.apply((1,), {"amount": 7}, task_id="t-1").get()
+    assert first == {
+        "id": "t-1",
+        "args": [1],
+        "kwargs": {"amount": 7},
+        "current": pay.name,
+        "lease": True,
+    }
+    assert pay.apply((1,), {"amount": 7}, task_id="t-2").get() == first  # replayed
+    assert calls["pay"] == 1
+    assert not current_task  # popped after the call
+
+
+def test_a_mixin_call_after_idempotent_task_still_wraps_the_body(
+    make_app: Callable[..., Celery], calls: Calls
+) -> None:
+    """A base class whose ``__call__`` comes after IdempotentTask's in the MRO (tracing,
+    metrics) runs around the body, as it did: only Celery's own Task.__call__ is skipped."""
+    app = make_app()
+    seen: list[tuple[str, Any]] = []
+
+    class Traced(Task):  # type: ignore[misc]
+        abstract = True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append(("before", self.request.id))
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                seen.append(("after", self.request.id))
+
+    class Base(IdempotentTask, Traced):
+        abstract = True
+
+    @app.task(shared=False, base=Base)
+    def pay(order: int) -> int:
+        return calls("pay")
+
+    assert pay.apply((1,), task_id="m-1").get() == 1
+    assert pay.apply((1,), task_id="m-2").get() == 1  # replayed: the body does not run
+    assert calls["pay"] == 1
+    assert seen == [("before", "m-1"), ("after", "m-1")]
 
 
 def test_task_always_eager_runs_once(make_app: Callable[..., Celery], calls: Calls) -> None:
