@@ -34,7 +34,7 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
-from celery_idempotent._redis import same_server
+from celery_idempotent.redis_client import same_server
 from celery_idempotent.stores.redis import RedisAtomicBackend
 from celery_idempotent.two_step import TwoStepBackend
 from tests.support.counting import RoundTrips, command_names
