@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def available() -> bool:
     """Whether ``IdempotentTask`` can be imported (the case needs it)."""
     try:
-        import celery_idempotent.task  # noqa: F401
+        import celery_idempotent.celery.task  # noqa: F401
     except ImportError:
         return False
     return True
@@ -63,7 +63,7 @@ def run(
     from benchmarks import e2e_app
 
     if e2e_app.IdempotentTask is None:
-        return {"skipped": "celery_idempotent.task is not importable"}
+        return {"skipped": "celery_idempotent.celery.task is not importable"}
     command = [
         *(sys.executable, "-m", "celery", "-A", "benchmarks.e2e_app", "worker"),
         *("-P", pool, "-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h", "-l", "warning"),

@@ -36,7 +36,7 @@ def plain(i: int) -> int:
 
 
 try:
-    from celery_idempotent.task import IdempotentTask
+    from celery_idempotent.celery.task import IdempotentTask
 except ImportError:  # the task module is not there yet: the end-to-end case is skipped
     IdempotentTask = None
 

@@ -66,8 +66,8 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
     """The cases, each set up (duplicates have their record stored) and ready to call, and
     the competitors' cases left out because their package is not installed (name: reason)."""
     from celery_idempotent import DistributedIdempotencyGuard
-    from celery_idempotent.locks.redis import RedisLockProvider
-    from celery_idempotent.stores.redis import RedisAtomicBackend, RedisIdempotencyStore
+    from celery_idempotent.backends.redis.locks import RedisLockProvider
+    from celery_idempotent.backends.redis.store import RedisAtomicBackend, RedisIdempotencyStore
 
     cases: list[Case] = []
 
@@ -110,7 +110,7 @@ def build_cases(client: redis.Redis, prefix: str) -> tuple[list[Case], dict[str,
 
     # Our two scripts alone, called with ready-made arguments: what the guard costs without
     # any of our Python (key names, tokens, fingerprint, encoding, decoding, renewal).
-    from celery_idempotent import redis_scripts
+    from celery_idempotent.backends.redis import scripts as redis_scripts
 
     claim = client.register_script(redis_scripts.CLAIM)
     commit = client.register_script(redis_scripts.COMMIT)

@@ -97,7 +97,7 @@ def _other_database(url: str) -> str:
 def run(url: str, prefix: str, *, rounds: int, calls: int) -> dict[str, Any]:
     """Publishes per second of each kind, their ratios, and round trips per publish."""
     from celery_idempotent import IdempotentTask
-    from celery_idempotent.factory import reset_backends
+    from celery_idempotent.celery.factory import reset_backends
 
     queue = f"{prefix}publish"
     idem = counting_client(url)
@@ -196,8 +196,8 @@ def _call(kind: str, counter: int, tag: str) -> tuple[int, str]:
 
 def _fuses(app: Celery, task: Any) -> bool:
     """Whether the check of ``task`` travels with the broker's push (store on its Redis)."""
-    from celery_idempotent import publish_redis
-    from celery_idempotent.factory import factory
+    from celery_idempotent.backends.redis import publish as publish_redis
+    from celery_idempotent.celery.factory import factory
 
     task = getattr(task, "_get_current_object", lambda: task)()
     store = factory.guard(task, task.idempotency_settings()).store

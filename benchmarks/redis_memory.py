@@ -56,9 +56,9 @@ def _measure(client: redis.Redis, n: int, fill: Callable[[int], Any]) -> dict[st
 
 def _ours(client: redis.Redis, prefix: str) -> Callable[[int], Any]:
     from celery_idempotent import DistributedIdempotencyGuard, fingerprint_payload
+    from celery_idempotent.backends.redis.locks import RedisLockProvider
+    from celery_idempotent.backends.redis.store import RedisIdempotencyStore
     from celery_idempotent.keyspace import task_key
-    from celery_idempotent.locks.redis import RedisLockProvider
-    from celery_idempotent.stores.redis import RedisIdempotencyStore
 
     guard = DistributedIdempotencyGuard(
         store=RedisIdempotencyStore(client),

@@ -56,7 +56,7 @@ def _per_call(client: redis.Redis, name: str, n: int, call: Callable[[int], Any]
 
 def run(client: redis.Redis, prefix: str, *, n: int = 5000) -> dict[str, Any]:
     """µs per call of each probe, and of our CLAIM (first execution and duplicate) and COMMIT."""
-    from celery_idempotent import redis_scripts
+    from celery_idempotent.backends.redis import scripts as redis_scripts
 
     out: dict[str, Any] = {"calls": n, "lua": {}, "plain": {}, "scripts": {}}
     for round_ in range(2):  # the second round is reported: scripts loaded, tables warm

@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from celery_idempotent.backoff import ExponentialJitterBackoff
-from celery_idempotent.exceptions import (
+from celery_idempotent.backends.memory.locks import MemoryLockProvider
+from celery_idempotent.backends.memory.store import MemoryIdempotencyStore
+from celery_idempotent.core.backoff import ExponentialJitterBackoff
+from celery_idempotent.core.exceptions import (
     CommitUnknownError,
     DuplicatePublishError,
     IdempotencyAbortedError,
@@ -29,10 +31,14 @@ from celery_idempotent.exceptions import (
     RecordDecodeError,
     ResultEncodeError,
 )
-from celery_idempotent.guard import DistributedIdempotencyGuard, GuardEvent, Outcome, current_lease
-from celery_idempotent.keys import fingerprint_payload
-from celery_idempotent.locks.memory import MemoryLockProvider
-from celery_idempotent.protocols import (
+from celery_idempotent.core.fingerprint import fingerprint_payload
+from celery_idempotent.core.guard import (
+    DistributedIdempotencyGuard,
+    GuardEvent,
+    Outcome,
+    current_lease,
+)
+from celery_idempotent.core.protocols import (
     AtomicBackend,
     Claim,
     IdempotencyRecord,
@@ -40,15 +46,14 @@ from celery_idempotent.protocols import (
     Lease,
     LockProvider,
 )
-from celery_idempotent.stores.memory import MemoryIdempotencyStore
 from celery_idempotent.transactions import current_connection
 
 if TYPE_CHECKING:
     from celery_idempotent.admin import IdempotencyStatus
-    from celery_idempotent.locks.redis import RedisLockProvider
-    from celery_idempotent.postgres import DjangoBackend, PostgresBackend
-    from celery_idempotent.stores.redis import RedisIdempotencyStore
-    from celery_idempotent.task import IdempotentTask
+    from celery_idempotent.backends.postgres import DjangoBackend, PostgresBackend
+    from celery_idempotent.backends.redis.locks import RedisLockProvider
+    from celery_idempotent.backends.redis.store import RedisIdempotencyStore
+    from celery_idempotent.celery.task import IdempotentTask
 
 __version__ = "0.1.0"
 
@@ -92,11 +97,11 @@ __all__ = [
 
 _LAZY = {
     "IdempotencyStatus": "celery_idempotent.admin",
-    "RedisLockProvider": "celery_idempotent.locks.redis",
-    "RedisIdempotencyStore": "celery_idempotent.stores.redis",
-    "IdempotentTask": "celery_idempotent.task",
-    "PostgresBackend": "celery_idempotent.postgres",
-    "DjangoBackend": "celery_idempotent.postgres",
+    "RedisLockProvider": "celery_idempotent.backends.redis.locks",
+    "RedisIdempotencyStore": "celery_idempotent.backends.redis.store",
+    "IdempotentTask": "celery_idempotent.celery.task",
+    "PostgresBackend": "celery_idempotent.backends.postgres",
+    "DjangoBackend": "celery_idempotent.backends.postgres",
 }
 
 

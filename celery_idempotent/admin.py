@@ -26,14 +26,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from celery_idempotent import redis_admin_scripts
-from celery_idempotent.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.key_info import KeyInfo, read_key
+from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis.key_info import KeyInfo, read_key
+from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 
 if TYPE_CHECKING:
     import redis
 
-    from celery_idempotent.guard import DistributedIdempotencyGuard
+    from celery_idempotent.core.guard import DistributedIdempotencyGuard
 
 __all__ = [
     "STATES",

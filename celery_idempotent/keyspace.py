@@ -4,7 +4,7 @@ This module is the only place that knows these formats. ``IdempotentTask`` build
 :func:`task_key`, the command line parses them back with :func:`parse_task_key`; the Redis
 backends name a key's lock, record and fence with :func:`lock_name`, :func:`record_name` and
 :func:`fence_name`, and encode records with :func:`encode_record`; the Lua scripts in
-``celery_idempotent.redis_scripts`` (and the publish and admin scripts) take their record
+``celery_idempotent.backends.redis.scripts`` (and the publish and admin scripts) take their record
 prefixes and the v1 field list from here.
 
 Task keys
@@ -32,7 +32,7 @@ The record (layout v2)
 One string, ``2|<fencing token>|<created at>|<serializer>|<fingerprint>|<task id>|<payload>``;
 before its body has run, a call published through ``apply_async`` leaves a queued marker
 ``q|<task id>|<fingerprint>`` under the same name; 0.1.0 kept a hash (layout v1). Their
-encoding and decoding are in ``celery_idempotent.record_layout``, whose names this module
+encoding and decoding are in ``celery_idempotent.backends.redis.layout``, whose names this module
 re-exports (``encode_record``, ``decode_record``, ``RECORD_HEAD``...).
 
 Fencing tokens without a long-lived fence key
@@ -82,7 +82,7 @@ import hashlib
 import math
 from typing import NamedTuple
 
-from celery_idempotent.record_layout import (
+from celery_idempotent.backends.redis.layout import (
     DEFAULT_SERIALIZER,
     EXACT_AT,
     QUEUED_HEAD,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_idempotent import keyspace
+from celery_idempotent.core.validate import check_duration
 from celery_idempotent.urls import redact
-from celery_idempotent.validate import check_duration
 
 __all__ = [
     "MISSING_KEY_POLICIES",
@@ -42,7 +42,7 @@ MISSING_KEY_POLICIES = ("raise", "run")
 KIND_MARKERS = keyspace.KIND_MARKERS
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: The PostgreSQL backend's schemes (records commit in the body's transaction; see
-#: :mod:`celery_idempotent.postgres`).
+#: :mod:`celery_idempotent.backends.postgres`).
 POSTGRES_SCHEMES = ("postgresql://", "postgres://", "django://")
 
 
@@ -154,7 +154,7 @@ def never_stored() -> tuple[type[BaseException], ...]:
         TimeLimitExceeded,
     )
 
-    from celery_idempotent.exceptions import IdempotencyError  # noqa: PLC0415
+    from celery_idempotent.core.exceptions import IdempotencyError  # noqa: PLC0415
 
     return (
         Retry,

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_idempotent.core.validate import check_count, check_delay, check_duration
 from celery_idempotent.setting_checks import (
     DUPLICATE_PUBLISH_POLICIES,
     MISSING_KEY_POLICIES,
@@ -39,7 +40,6 @@ from celery_idempotent.setting_checks import (
     one_of,
 )
 from celery_idempotent.urls import redact
-from celery_idempotent.validate import check_count, check_delay, check_duration
 
 __all__ = [
     "DEFAULTS",
@@ -74,7 +74,7 @@ class IdempotencySettings:
 
     #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``; ``postgresql://``
     #: (``postgres://``) or ``django://<alias>``: PostgreSQL, where the record commits in the
-    #: body's own transaction (:mod:`celery_idempotent.postgres`); or ``memory://`` for one
+    #: body's own transaction (:mod:`celery_idempotent.backends.postgres`); or ``memory://`` for one
     #: process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
     #: master when it is a ``sentinel://`` URL (with ``broker_transport_options['master_name']``,
     #: as kombu reads them), else an error that says so.
@@ -365,7 +365,7 @@ def _broker_fallback(conf: Any) -> Any:
     if first.startswith(REDIS_SCHEMES):
         return first
     if first.startswith("sentinel://"):
-        from celery_idempotent.redis_client import sentinel_factory_from_broker  # noqa: PLC0415
+        from celery_idempotent.backends.redis.client import sentinel_factory_from_broker  # noqa: PLC0415
 
         options = conf.get("broker_transport_options") or {}
         ident = repr((broker, sorted(options.items(), key=lambda item: str(item[0]))))

@@ -1,14 +1,14 @@
 """The registry of open guarded transactions, behind :func:`current_connection`.
 
-Kept apart from :mod:`celery_idempotent.postgres` so that importing the package (and calling
-``current_connection()`` in a body guarded by another backend) never imports psycopg.
+Kept apart from :mod:`celery_idempotent.backends.postgres` so that importing the package (and
+calling ``current_connection()`` in a body guarded by another backend) never imports psycopg.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from celery_idempotent.guard import current_lease
+from celery_idempotent.core.guard import current_lease
 
 __all__ = ["current_connection", "register", "unregister"]
 

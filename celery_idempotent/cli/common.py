@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from celery_idempotent import redis_client
-from celery_idempotent.exceptions import IdempotencyError
+from celery_idempotent.backends.redis import client as redis_client
+from celery_idempotent.core.exceptions import IdempotencyError
 from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
 from celery_idempotent.urls import redact
 

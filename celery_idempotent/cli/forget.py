@@ -23,7 +23,7 @@ from celery_idempotent.cli.scan import (
     note_unattributed,
     tagged_task,
 )
-from celery_idempotent.exceptions import IdempotencyKeyHeldError
+from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.keyspace import HEAD_CHARS, MAX_READABLE_KEY
 
 __all__ = ["forget"]
@@ -123,7 +123,7 @@ def _pg_forget(
     as_json: bool,
 ) -> None:
     """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
-    from celery_idempotent.postgres import admin as pg_admin  # noqa: PLC0415
+    from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
 
     where = f"table {target.postgres.table} on {target.shown_url}"
     if not dry_run and not yes and not as_json:

@@ -20,7 +20,7 @@ from celery_idempotent.cli.common import (
     redis_errors,
 )
 from celery_idempotent.cli.options import KeySelection, common_options, key_options
-from celery_idempotent.exceptions import RecordDecodeError
+from celery_idempotent.core.exceptions import RecordDecodeError
 
 __all__ = ["inspect"]
 
@@ -86,7 +86,7 @@ def inspect(
 
 def _decode_result(target: Target, info: KeyInfo) -> tuple[Any, str | None]:
     """The stored result decoded with the app's accept list, or the reason it was refused."""
-    from celery_idempotent.stores.redis import RedisIdempotencyStore  # noqa: PLC0415
+    from celery_idempotent.backends.redis.store import RedisIdempotencyStore  # noqa: PLC0415
 
     accept = target.accept()
     conf = target.app.conf

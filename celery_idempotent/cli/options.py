@@ -14,7 +14,7 @@ import click
 
 from celery_idempotent import keyspace
 from celery_idempotent.cli.common import DEFAULT_BATCH, Target
-from celery_idempotent.exceptions import IdempotencyKeyMissingError
+from celery_idempotent.core.exceptions import IdempotencyKeyMissingError
 from celery_idempotent.keyspace import task_key
 
 __all__ = ["KeySelection", "batch_size_option", "common_options", "key_options"]

@@ -2,7 +2,7 @@
 
 ``celery_idempotent.cli`` resolves the app's settings and the key as for Redis, then hands a
 ``postgresql://`` target to :func:`backend_for`; ``inspect``, ``forget`` and ``stats`` read and
-delete through :mod:`celery_idempotent.postgres.admin` (``--force`` cannot take a row lock
+delete through :mod:`celery_idempotent.backends.postgres.admin` (``--force`` cannot take a row lock
 away from a live session) and print what it returns. ``sql`` prints the DDL (no connection).
 ``django://`` URLs need the Django project configured (``DJANGO_SETTINGS_MODULE``), as the
 worker has it.
@@ -15,9 +15,14 @@ from typing import Any
 
 import click
 
-from celery_idempotent.postgres import DEFAULT_TABLE, PostgresBackend, backend_from_url, ddl
-from celery_idempotent.postgres.admin import describe
-from celery_idempotent.postgres.connections import split_url
+from celery_idempotent.backends.postgres import (
+    DEFAULT_TABLE,
+    PostgresBackend,
+    backend_from_url,
+    ddl,
+)
+from celery_idempotent.backends.postgres.admin import describe
+from celery_idempotent.backends.postgres.connections import split_url
 
 __all__ = ["backend_for", "inspect", "sql_command"]
 

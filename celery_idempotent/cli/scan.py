@@ -9,7 +9,9 @@ from typing import Any
 
 import click
 
-from celery_idempotent import redis_admin_scripts, redis_client, redis_scripts
+from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis import client as redis_client
+from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.cli.common import SAMPLE, Target, progress
 from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name, task_of_slot
 

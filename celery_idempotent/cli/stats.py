@@ -8,10 +8,10 @@ import click
 from celery.bin.base import CeleryCommand
 
 from celery_idempotent import keyspace
+from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import connect, emit_json, print_table, progress, redis_errors
 from celery_idempotent.cli.options import batch_size_option, common_options
 from celery_idempotent.cli.scan import Scan, scan_names
-from celery_idempotent.health import eviction_policy, eviction_warning
 
 __all__ = ["stats"]
 
@@ -38,7 +38,7 @@ def stats(
     """
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
     if target.postgres is not None:
-        from celery_idempotent.postgres import admin as pg_admin  # noqa: PLC0415
+        from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
 
         space = None if task_name is None else target.namespace(task_name)
         doc = pg_admin.stats(target.postgres, target.prefix, space)

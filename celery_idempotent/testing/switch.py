@@ -49,7 +49,7 @@ class Switchboard:
         if app is None:
             raise TypeError(f"use() takes a Celery app or task, not {app_or_task!r}")
         from celery_idempotent import settings  # noqa: PLC0415
-        from celery_idempotent.task import IdempotentTask, reset_backends  # noqa: PLC0415
+        from celery_idempotent.celery.task import IdempotentTask, reset_backends  # noqa: PLC0415
 
         changed = False
         if id(app) not in self._apps:

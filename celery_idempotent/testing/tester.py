@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from celery_idempotent.testing.switch import Switchboard, current
 
 if TYPE_CHECKING:
-    from celery_idempotent.protocols import IdempotencyRecord
+    from celery_idempotent.core.protocols import IdempotencyRecord
 
 __all__ = ["IdempotencyTester", "TwoDeliveries"]
 
@@ -68,7 +68,7 @@ class IdempotencyTester:
 
     def close(self) -> None:
         """Put every switched app and task back as it was; forget the test's backends."""
-        from celery_idempotent.task import reset_backends  # noqa: PLC0415
+        from celery_idempotent.celery.task import reset_backends  # noqa: PLC0415
 
         self._switch.restore()
         if self._listening:

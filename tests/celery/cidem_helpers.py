@@ -6,7 +6,7 @@ import json
 from types import ModuleType
 from typing import Any
 
-from celery_idempotent.keys import lock_resource, record_key
+from celery_idempotent.core.fingerprint import lock_resource, record_key
 
 
 def count(app_module: ModuleType, *parts: Any) -> int:

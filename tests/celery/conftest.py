@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 
 from celery_idempotent import settings
-from celery_idempotent.task import reset_backends
+from celery_idempotent.celery.task import reset_backends
 from tests.support.keys import delete_keys_with_prefix
 from tests.support.workers import WorkerGroup, start_workers
 

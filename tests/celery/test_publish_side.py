@@ -26,7 +26,7 @@ from celery.result import AsyncResult, EagerResult
 
 from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError, keyspace
 from celery_idempotent import settings as idem_settings
-from celery_idempotent.task import reset_backends
+from celery_idempotent.celery.task import reset_backends
 from tests.support.keys import delete_keys_with_prefix
 from tests.support.workers import WorkerGroup, start_workers
 
@@ -561,7 +561,7 @@ def test_a_push_that_fails_in_the_script_removes_its_marker(pub: ModuleType) -> 
 
 
 def test_the_slot_comes_from_the_header_else_the_eta_else_the_clock(pub: ModuleType) -> None:
-    from celery_idempotent.task import SLOT_HEADER
+    from celery_idempotent.celery.task import SLOT_HEADER
 
     tick = pub.app.tasks["pub.tick"]
     tick_class = type(tick)
@@ -636,7 +636,7 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
     changes its ``_put`` fails here, not in production."""
     from kombu.transport import redis as kombu_redis
 
-    from celery_idempotent import publish_redis
+    from celery_idempotent.backends.redis import publish as publish_redis
 
     assert publish_redis.install()
     assert publish_redis.kombu_problem(kombu_redis) is None

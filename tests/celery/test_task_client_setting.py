@@ -18,8 +18,8 @@ import redis
 from celery import Celery
 
 from celery_idempotent import IdempotentTask
+from celery_idempotent.celery.task import reset_backends
 from celery_idempotent.settings import resolve
-from celery_idempotent.task import reset_backends
 from tests.celery.cidem_helpers import key_of, redis_names
 from tests.support.workers import WorkerGroup
 

@@ -23,7 +23,7 @@ from celery_idempotent import (
     IdempotencyMismatchError,
     IdempotentTask,
 )
-from celery_idempotent.task import FAILURE_MARKER, check_namespaces
+from celery_idempotent.celery.task import FAILURE_MARKER, check_namespaces
 from tests.celery.cidem_helpers import key_of, redis_names
 
 pytestmark = pytest.mark.redis

@@ -20,8 +20,8 @@ from celery_idempotent import (
     LockAcquisitionError,
     current_lease,
 )
-from celery_idempotent.keys import key_digest as _hash
-from celery_idempotent.redis_client import glob_escape
+from celery_idempotent.backends.redis.client import glob_escape
+from celery_idempotent.core.fingerprint import key_digest as _hash
 from tests.celery.cidem_helpers import key_of, redis_names
 
 pytestmark = pytest.mark.redis

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from celery_idempotent.health import eviction_policy, eviction_warning
+from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from tests.support.redis_server import RedisServer
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup

@@ -14,7 +14,7 @@ from celery import Celery
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 
 from celery_idempotent import IdempotentTask, LockAcquisitionError, current_lease
-from celery_idempotent.redis_client import glob_escape
+from celery_idempotent.backends.redis.client import glob_escape
 from celery_idempotent.settings import DEFAULTS, IdempotencySettings, clear_cache, resolve
 from tests.celery.cidem_helpers import key_of, redis_names
 from tests.support.leases import lease_left_ms

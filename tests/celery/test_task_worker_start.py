@@ -12,8 +12,8 @@ import pytest
 from celery import Celery
 
 from celery_idempotent import IdempotentTask
+from celery_idempotent.celery.task import check_app_at_worker_start
 from celery_idempotent.settings import clear_cache
-from celery_idempotent.task import check_app_at_worker_start
 from tests.support.waiting import wait_for
 from tests.support.workers import WorkerGroup
 

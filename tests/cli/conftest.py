@@ -30,8 +30,8 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from celery_idempotent.celery.task import reset_backends
 from celery_idempotent.cli import idempotency
-from celery_idempotent.task import reset_backends
 
 if TYPE_CHECKING:
     import redis

@@ -29,9 +29,9 @@ from celery_idempotent import (
     LockLostError,
 )
 from celery_idempotent.admin import IdempotencyStatus
+from celery_idempotent.celery.task import reset_backends
 from celery_idempotent.cli import idempotency
-from celery_idempotent.keys import fingerprint_payload
-from celery_idempotent.task import reset_backends
+from celery_idempotent.core.fingerprint import fingerprint_payload
 
 
 @pytest.fixture(params=["redis", "cluster"])

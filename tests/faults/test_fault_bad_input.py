@@ -27,7 +27,7 @@ from celery_idempotent import (
     RedisLockProvider,
     ResultEncodeError,
 )
-from celery_idempotent.keys import slot_key
+from celery_idempotent.core.fingerprint import slot_key
 from celery_idempotent.servers.processes import free_port
 from tests.faults.fault_app import finalize_quietly
 from tests.faults.faultlib import record_figures

@@ -84,7 +84,7 @@ def test_the_plugin_is_off_unless_used(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import sys, celery_idempotent.testing; print(sorted("
-            "{'celery', 'redis', 'kombu', 'celery_idempotent.task'} & set(sys.modules)))",
+            "{'celery', 'redis', 'kombu', 'celery_idempotent.celery.task'} & set(sys.modules)))",
         ],
         capture_output=True,
         text=True,

@@ -8,8 +8,8 @@ import uuid
 from celery import Celery
 
 from celery_idempotent import IdempotentTask
-from celery_idempotent.keys import fingerprint_payload
-from celery_idempotent.task import reset_backends
+from celery_idempotent.celery.task import reset_backends
+from celery_idempotent.core.fingerprint import fingerprint_payload
 
 
 def test_status_and_forget_on_postgresql(postgres_url: str, pg_table: str) -> None:

@@ -16,9 +16,9 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_idempotent import IdempotentTask, PostgresBackend
+from celery_idempotent.backends.postgres import ddl
+from celery_idempotent.celery.task import reset_backends
 from celery_idempotent.cli import idempotency
-from celery_idempotent.postgres import ddl
-from celery_idempotent.task import reset_backends
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,7 @@ def patch() -> None:
 
 if ORDER == "import-first":
     import celery_idempotent  # noqa: F401
-    from celery_idempotent import renewal  # noqa: F401
+    from celery_idempotent.core import renewal  # noqa: F401
 
     patch()
 else:
@@ -50,7 +50,7 @@ from celery_idempotent import (  # noqa: E402
     RedisIdempotencyStore,
     RedisLockProvider,
 )
-from celery_idempotent.green import runtime  # noqa: E402
+from celery_idempotent.core.green import runtime  # noqa: E402
 
 
 class Lines(logging.Handler):
@@ -121,7 +121,7 @@ def c_call() -> float:
 # What cannot be covered: a 0.5 s lease and a C call holding the GIL for about twice that.
 run("gil", 0.5, c_call)
 time.sleep(1.0)  # a late line of the keeper thread is written by the next flush
-from celery_idempotent.renewal import flush_log  # noqa: E402
+from celery_idempotent.core.renewal import flush_log  # noqa: E402
 
 flush_log()
 outcome["log"] = handler.lines

@@ -23,7 +23,7 @@ from typing import Any
 LIB, MODE, URL, PREFIX = sys.argv[1:5]
 
 if MODE == "probe":
-    from celery_idempotent import renewal
+    from celery_idempotent.core import renewal
 
 if LIB == "gevent":
     from gevent import monkey
@@ -45,9 +45,9 @@ from celery_idempotent import (  # noqa: E402
     DistributedIdempotencyGuard,
     RedisIdempotencyStore,
     RedisLockProvider,
-    renewal,
 )
-from celery_idempotent.green import runtime  # noqa: E402
+from celery_idempotent.core import renewal  # noqa: E402
+from celery_idempotent.core.green import runtime  # noqa: E402
 
 LOCK_TTL = 1.0
 client = redis.Redis.from_url(URL)

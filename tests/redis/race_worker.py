@@ -26,7 +26,7 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
-from celery_idempotent.stores.redis import RedisAtomicBackend
+from celery_idempotent.backends.redis.store import RedisAtomicBackend
 
 
 class SplitStore(RedisIdempotencyStore):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_idempotent import DistributedIdempotencyGuard, IdempotencyStore, LockProvider
-from celery_idempotent.two_step import TwoStepBackend
+from celery_idempotent.core.two_step import TwoStepBackend
 
 if TYPE_CHECKING:
     pass

@@ -36,7 +36,7 @@ from celery_idempotent import (
     RedisLockProvider,
     keyspace,
 )
-from celery_idempotent.stores.redis import RedisAtomicBackend
+from celery_idempotent.backends.redis.store import RedisAtomicBackend
 from tests.support.counting import RoundTrips
 from tests.support.ports import free_port
 from tests.support.proxy import TcpProxy

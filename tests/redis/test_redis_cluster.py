@@ -26,8 +26,8 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
-from celery_idempotent.stores.redis import RedisAtomicBackend
-from celery_idempotent.two_step import TwoStepBackend
+from celery_idempotent.backends.redis.store import RedisAtomicBackend
+from celery_idempotent.core.two_step import TwoStepBackend
 
 pytestmark = [pytest.mark.redis, pytest.mark.cluster]
 

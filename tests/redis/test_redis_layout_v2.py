@@ -33,8 +33,8 @@ from celery_idempotent import (
     fingerprint_payload,
     keyspace,
 )
-from celery_idempotent.stores.redis import RedisAtomicBackend
-from celery_idempotent.two_step import TwoStepBackend
+from celery_idempotent.backends.redis.store import RedisAtomicBackend
+from celery_idempotent.core.two_step import TwoStepBackend
 
 pytestmark = pytest.mark.redis
 
@@ -207,7 +207,7 @@ def test_upgrade_through_an_idempotent_task(
     from celery import Celery
 
     from celery_idempotent import IdempotentTask
-    from celery_idempotent.task import reset_backends
+    from celery_idempotent.celery.task import reset_backends
 
     app = Celery("upgrade", set_as_current=False)
     app.conf.update(idempotency_url=redis_url, idempotency_key_prefix=key_prefix)

@@ -34,9 +34,9 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
 )
-from celery_idempotent.redis_client import same_server
-from celery_idempotent.stores.redis import RedisAtomicBackend
-from celery_idempotent.two_step import TwoStepBackend
+from celery_idempotent.backends.redis.client import same_server
+from celery_idempotent.backends.redis.store import RedisAtomicBackend
+from celery_idempotent.core.two_step import TwoStepBackend
 from tests.support.counting import RoundTrips, command_names
 from tests.support.sentinel import RedisSentinelGroup
 

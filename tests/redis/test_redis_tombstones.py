@@ -27,9 +27,9 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
     keyspace,
-    redis_scripts,
 )
 from celery_idempotent.admin import forget_key, read_key, status_of
+from celery_idempotent.backends.redis import scripts as redis_scripts
 
 pytestmark = pytest.mark.redis
 

@@ -25,8 +25,8 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
 )
+from celery_idempotent.celery.task import reset_backends
 from celery_idempotent.settings import clear_cache
-from celery_idempotent.task import reset_backends
 from tests.support.redis_server import RedisServer
 
 PREFIX = "test:wait:"

@@ -29,12 +29,14 @@ from typing import Any, Callable
 
 import greenlet
 
-from celery_idempotent import redis_admin_scripts, redis_publish_scripts, redis_scripts
-from celery_idempotent import renewal as lease_renewal
-from celery_idempotent.guard import DistributedIdempotencyGuard
-from celery_idempotent.keys import lock_resource, record_key
-from celery_idempotent.locks.redis import RedisLockProvider
-from celery_idempotent.stores.redis import RedisIdempotencyStore
+from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis import publish_scripts as redis_publish_scripts
+from celery_idempotent.backends.redis import scripts as redis_scripts
+from celery_idempotent.backends.redis.locks import RedisLockProvider
+from celery_idempotent.backends.redis.store import RedisIdempotencyStore
+from celery_idempotent.core import renewal as lease_renewal
+from celery_idempotent.core.fingerprint import lock_resource, record_key
+from celery_idempotent.core.guard import DistributedIdempotencyGuard
 
 from .server import Entry, SimRedis
 from .world import Process

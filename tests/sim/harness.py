@@ -22,14 +22,14 @@ from typing import Any, Callable
 
 import greenlet
 
-from celery_idempotent.exceptions import (
+from celery_idempotent.core.exceptions import (
     CommitUnknownError,
     IdempotencyConnectionError,
     IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.guard import current_lease
+from celery_idempotent.core.guard import current_lease
 
 from . import adapter
 from .checker import Checker, Violation, reset_aliases, short

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from celery_idempotent import renewal
+from celery_idempotent.core import renewal
 
 from . import adapter
 

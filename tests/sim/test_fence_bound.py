@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_idempotent import keyspace, redis_scripts
+from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import scripts as redis_scripts
 
 from .server import SimRedis
 

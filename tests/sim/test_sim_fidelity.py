@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from celery_idempotent.keys import lock_resource, record_key
-from celery_idempotent.locks.redis import RedisLockProvider
-from celery_idempotent.protocols import IdempotencyRecord, Lease
-from celery_idempotent.stores.redis import RedisIdempotencyStore
+from celery_idempotent.backends.redis.locks import RedisLockProvider
+from celery_idempotent.backends.redis.store import RedisIdempotencyStore
+from celery_idempotent.core.fingerprint import lock_resource, record_key
+from celery_idempotent.core.protocols import IdempotencyRecord, Lease
 
 from .server import CommandError, SimRedis
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from celery_idempotent.redis_client import glob_escape
+from celery_idempotent.backends.redis.client import glob_escape
 
 if TYPE_CHECKING:
     import redis

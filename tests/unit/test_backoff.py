@@ -15,7 +15,7 @@ from celery_idempotent import (
     IdempotencyAbortedError,
     LockAcquisitionError,
 )
-from celery_idempotent.backoff import event_sleep
+from celery_idempotent.core.backoff import event_sleep
 
 
 def body_never_called():
@@ -160,7 +160,7 @@ def test_event_sleep_returns_whether_it_was_aborted():
 
 
 def test_the_commit_resend_back_off_doubles_from_50ms_to_1s_without_jitter() -> None:
-    from celery_idempotent.commit import COMMIT_RESEND
+    from celery_idempotent.core.commit import COMMIT_RESEND
 
     assert [COMMIT_RESEND.delay(i) for i in range(8)] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
 

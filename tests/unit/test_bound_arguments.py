@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from celery_idempotent.task_keys import bound_arguments
+from celery_idempotent.celery.keys import bound_arguments
 
 
 def _task_of(fn: Callable[..., Any]) -> Any:

@@ -25,7 +25,7 @@ from celery_idempotent import (
     RecordDecodeError,
     ResultEncodeError,
 )
-from celery_idempotent import exceptions as exceptions_module
+from celery_idempotent.core import exceptions as exceptions_module
 
 # (instance, the attributes it must keep). Results are JSON-friendly so the JSON path applies.
 EXAMPLES = [

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from celery_idempotent import DistributedIdempotencyGuard, MemoryIdempotencyStore, current_lease
-from celery_idempotent.backoff import event_sleep
+from celery_idempotent.core.backoff import event_sleep
 
 
 def patient_guard(store, provider):

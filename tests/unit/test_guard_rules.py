@@ -23,7 +23,7 @@ from celery_idempotent import (
     current_lease,
     fingerprint_payload,
 )
-from celery_idempotent.backoff import event_sleep
+from celery_idempotent.core.backoff import event_sleep
 
 
 class Boom(Exception):

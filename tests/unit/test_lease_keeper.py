@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
-from celery_idempotent.protocols import Lease
-from celery_idempotent.renewal import LeaseKeeper
+from celery_idempotent.core.protocols import Lease
+from celery_idempotent.core.renewal import LeaseKeeper
 
 
 class CountingProvider:
@@ -114,7 +114,7 @@ def test_after_draining_the_keeper_sleeps_until_the_last_dropped_renewal_was_due
 
 
 def test_stopped_renewals_do_not_pile_up_past_the_drain_threshold(monkeypatch):
-    monkeypatch.setattr("celery_idempotent.lease_keeper._DRAIN_AT", 64)
+    monkeypatch.setattr("celery_idempotent.core.lease_keeper._DRAIN_AT", 64)
     keeper = LeaseKeeper()
     provider = CountingProvider()
     LeaseKeeper.stop(keeper.keep(provider, Lease("r", "first", 1), ttl=60.0, interval=20.0))

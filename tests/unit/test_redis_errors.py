@@ -8,7 +8,7 @@ import pytest
 import redis.exceptions as rex
 
 from celery_idempotent import IdempotencyBackendError, IdempotencyConnectionError
-from celery_idempotent.redis_errors import translate_errors
+from celery_idempotent.backends.redis.errors import translate_errors
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ from celery_idempotent import (
     MemoryIdempotencyStore,
     MemoryLockProvider,
 )
-from celery_idempotent.protocols import Lease
-from celery_idempotent.two_step import TwoStepBackend
+from celery_idempotent.core.protocols import Lease
+from celery_idempotent.core.two_step import TwoStepBackend
 
 LOCK, KEY = "p:lock:{k}", "p:{k}"
 

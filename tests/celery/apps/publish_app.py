@@ -110,7 +110,7 @@ def total(values: list[int]) -> int:
 )
 def tick() -> str:
     """The periodic task: records the slot of each run."""
-    from celery_idempotent.task import SLOT_HEADER
+    from celery_idempotent.celery.task import SLOT_HEADER
 
     request = tick.request
     headers = getattr(request, "headers", None) or {}

@@ -1,0 +1,1 @@
+"""The backends: one package each (memory, Redis, PostgreSQL)."""

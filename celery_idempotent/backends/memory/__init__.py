@@ -1,0 +1,1 @@
+"""In-process lock provider and store (tests, one process)."""

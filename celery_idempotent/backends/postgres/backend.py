@@ -1,0 +1,326 @@
+"""PostgresBackend: the lock provider, store and atomic backend on one PostgreSQL table.
+
+The steps of each protocol method (claim, acquire, extend, release, get, set, delete, commit)
+over the transactions of
+:class:`~celery_idempotent.backends.postgres.connections.PsycopgTransactions`; the SQL is
+:mod:`celery_idempotent.backends.postgres.sql`'s. How one delivery goes is in
+:mod:`celery_idempotent.backends.postgres`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from celery_idempotent import transactions
+from celery_idempotent.backends.postgres.connections import (
+    PsycopgTransactions,
+    Transaction,
+    import_psycopg,
+    split_url,
+)
+from celery_idempotent.backends.postgres.sql import (
+    DEFAULT_TABLE,
+    DIVISION_BY_ZERO,
+    LOCK_NOT_AVAILABLE,
+    Statements,
+    check_table,
+    decode_row,
+    is_pg_error,
+    quote_table,
+    record_columns,
+)
+from celery_idempotent.core.codec import ResultCodec
+from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
+from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.core.validate import check_duration
+from celery_idempotent.urls import redact
+
+__all__ = ["PostgresBackend"]
+
+log = logging.getLogger("celery_idempotent")
+
+
+class PostgresBackend(PsycopgTransactions):
+    """Locks and records in one PostgreSQL table; the record commits in the body's transaction.
+
+    It is at once the guard's ``lock_provider``, its ``store`` and (``atomic_with``) the
+    backend that claims and commits in one step: pass the same instance as both::
+
+        backend = PostgresBackend("postgresql://app@db/app")
+        guard = DistributedIdempotencyGuard(store=backend, lock_provider=backend)
+
+        def body():
+            current_connection().execute("INSERT INTO payments ...")   # commits with the record
+
+    ``url`` is a libpq URL (its query may carry libpq parameters; ``table`` and
+    ``lock_timeout`` are read from it too, as defaults of the keywords). ``table`` names the
+    table (``schema.table`` allowed). A claim waits at most ``lock_timeout`` seconds for a
+    key's current holder, then counts as one failed lock attempt: the guard backs off and
+    tries again, as with Redis. ``serializer`` and ``accept`` are kombu serializer names, as
+    for :class:`~celery_idempotent.RedisIdempotencyStore` (pickle is loaded only when
+    accepted). ``create_table=False`` never runs DDL (see :func:`ddl`). ``cleanup_interval``
+    seconds at least between two bounded sweeps of at most ``cleanup_batch`` expired rows.
+    ``max_idle`` connections are kept open for reuse per process.
+    """
+
+    driver = "psycopg"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        table: str | None = None,
+        lock_timeout: Any = None,
+        serializer: str = "json",
+        accept: Iterable[str] | None = ("json",),
+        create_table: bool = True,
+        cleanup_interval: Any = 60.0,
+        cleanup_batch: int = 500,
+        max_idle: int = 8,
+    ) -> None:
+        options: dict[str, str] = {}
+        if url is not None:
+            url, options = split_url(url)
+        self.url = url
+        self.table = check_table(
+            table if table is not None else options.get("table", DEFAULT_TABLE)
+        )
+        timeout = lock_timeout if lock_timeout is not None else options.get("lock_timeout", 0.5)
+        if isinstance(timeout, str):
+            try:
+                timeout = float(timeout)
+            except ValueError:
+                raise ValueError(f"lock_timeout must be seconds, got {timeout!r}") from None
+        self.lock_timeout = check_duration("lock_timeout", timeout)
+        self.cleanup_interval = check_duration("cleanup_interval", cleanup_interval)
+        if not isinstance(cleanup_batch, int) or cleanup_batch < 1:
+            raise ValueError(f"cleanup_batch must be a positive int, got {cleanup_batch!r}")
+        if not isinstance(max_idle, int) or max_idle < 0:
+            raise ValueError(f"max_idle must be an int >= 0, got {max_idle!r}")
+        if not isinstance(create_table, bool):
+            raise TypeError(f"create_table must be True or False, got {create_table!r}")
+        self.cleanup_batch = cleanup_batch
+        self.max_idle = max_idle
+        self.create_table = create_table
+        self.codec = ResultCodec(serializer, accept)
+        self.serializer = serializer
+        self.accept = self.codec.accept
+        self.sql = Statements(self.table)
+        super().__init__()
+        self._next_cleanup = time.monotonic() + self.cleanup_interval * _jitter()
+        # lease token -> backend pid of a commit whose reply was lost
+        self._unconfirmed: dict[str, int | None] = {}
+        if self.driver == "psycopg":
+            if url is None:
+                raise ValueError("PostgresBackend needs a postgresql:// URL")
+            import_psycopg()  # fail now, with the install line, when psycopg is missing
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({redact(self.url or '')!r}, table={self.table!r})"
+
+    # -- lock provider ------------------------------------------------------------------------
+
+    def _row(self, name: str) -> str:
+        """The row of a lock resource or record key: ``P lock:{K}`` and ``P{K}`` share one."""
+        at = name.find("lock:{")
+        return name[:at] + name[at + 5 :] if at >= 0 else name
+
+    def _claim_statements(self, row: str, lock_only: bool) -> list[tuple[str, Sequence[Any]]]:
+        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
+        return [
+            (self.sql.lock_timeout, (ms,)),
+            (self.sql.insert, (row,)),
+            (self.sql.lock if lock_only else self.sql.claim, (row,)),
+            (self.sql.select, (row,)),
+            (self.sql.lock_timeout_reset, ()),
+        ]
+
+    def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+        try:
+            tx, results = self._begin(row, self._claim_statements(row, lock_only))
+        except Exception as exc:
+            if is_pg_error(exc, LOCK_NOT_AVAILABLE):
+                return Claim(None, None)  # held: one failed attempt
+            raise
+        claimed, found = results[2], results[3]
+        if claimed:
+            lease = Lease(resource, uuid.uuid4().hex, int(claimed[0][0]))
+            tx.lease = lease
+            self._open[lease.token] = tx
+            transactions.register(lease.token, self._connection_of(tx))
+            return Claim(lease, None)
+        self._rollback(tx)
+        if found:
+            return Claim(None, decode_row(self.codec, row, found[0]))
+        return Claim(None, None)  # deleted meanwhile: try again
+
+    def acquire(self, resource: str, ttl: float) -> Lease | None:
+        """Lock ``resource``'s row in a new transaction (``ttl`` is checked, not used: the
+        lease lasts as long as the transaction); ``None`` when held past ``lock_timeout``."""
+        check_duration("ttl", ttl)
+        return self._claim(resource, self._row(resource), lock_only=True).lease
+
+    def extend(self, lease: Lease, ttl: float) -> bool:
+        """``True`` while the lease's transaction is open on a healthy connection (no I/O)."""
+        check_duration("ttl", ttl)
+        tx = self._open.get(lease.token)
+        return tx is not None and self._alive(tx)
+
+    def release(self, lease: Lease) -> bool:
+        """Roll back the lease's transaction (the body's writes with it)."""
+        tx = self._open.pop(lease.token, None)
+        if tx is None:
+            return False
+        transactions.unregister(lease.token)
+        alive = self._alive(tx)
+        self._rollback(tx)
+        return alive
+
+    def is_locked(self, resource: str) -> bool:
+        """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
+        row = self._row(resource)
+        statements = [
+            (self.sql.lock_timeout, ("1ms",)),
+            (self.sql.insert, (row,)),
+            (self.sql.probe, (row,)),
+        ]
+        try:
+            tx, _ = self._begin(row, statements)
+        except Exception as exc:
+            if is_pg_error(exc, LOCK_NOT_AVAILABLE):
+                return True
+            raise
+        self._rollback(tx)
+        return False
+
+    def clear(self) -> None:
+        """Roll back this process's open transactions and delete every row of the table."""
+        for token in list(self._open):
+            tx = self._open.get(token)
+            if tx is not None and tx.lease is not None:
+                self.release(tx.lease)
+        self.autocommit([(f"DELETE FROM {quote_table(self.table)}", ())])
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def get(self, key: str) -> IdempotencyRecord | None:
+        """The unexpired completed record of ``key`` (not waiting for a running holder)."""
+        rows = self.autocommit([(self.sql.select, (self._row(key),))])[0]
+        return decode_row(self.codec, key, rows[0]) if rows else None
+
+    def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
+        """Store ``record`` for ``ttl`` seconds in a transaction of its own."""
+        ttl = check_duration("ttl", ttl)
+        columns = record_columns(self.codec, key, record)
+        params = (self._row(key), record.fencing_token, *columns, ttl)
+        self.autocommit([(self.sql.upsert, params)])
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``'s completed record; ``True`` when there was one. A row that a
+        running body's transaction holds is waited for at most ``lock_timeout``, then
+        :class:`~celery_idempotent.IdempotencyKeyHeldError` (nothing deleted)."""
+        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
+        try:
+            done = self.autocommit(
+                [(self.sql.lock_timeout, (ms,)), (self.sql.delete, (self._row(key),))]
+            )
+        except Exception as exc:
+            if is_pg_error(exc, LOCK_NOT_AVAILABLE):
+                raise IdempotencyKeyHeldError(
+                    key, None, None, "a running body's transaction holds the key's row"
+                ) from exc
+            raise
+        return bool(done[1])
+
+    def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
+        """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
+        return self if lock_provider is self else None
+
+    # -- atomic backend ---------------------------------------------------------------------------
+
+    def claim(self, resource: str, key: str, ttl: float) -> Claim:
+        """Lock ``key``'s row in a new transaction, unless it holds an unexpired record (then
+        that record, no lease); ``Claim(None, None)`` when held past ``lock_timeout``."""
+        check_duration("ttl", ttl)
+        return self._claim(resource, self._row(key), lock_only=False)
+
+    def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
+        """Write the record into the lease's transaction and COMMIT it (with the body's
+        writes). ``False`` when the lease is no longer ours. A connection error raises
+        ``ConnectionError`` (the outcome is open); called again after one, it answers from
+        the database whether this lease's record was committed."""
+        ttl = check_duration("ttl", ttl)
+        row = self._row(key)
+        tx = self._open.get(lease.token)
+        if tx is None:
+            pending = self._unconfirmed.pop(lease.token, None)
+            if pending is None:
+                return False
+            try:
+                return self._verify(lease, row, pending)
+            except ConnectionError:
+                self._unconfirmed[lease.token] = pending
+                raise
+        if not self._alive(tx):
+            self.release(lease)
+            return False
+        params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
+        try:
+            self._run(tx, [(self.sql.commit, params)], commit=True)
+        except ConnectionError:
+            self._forget(lease, tx)  # the verification runs on another connection
+            self._unconfirmed[lease.token] = tx.pid
+            raise
+        except Exception as exc:
+            self._forget(lease, tx)
+            self._rollback(tx)
+            if is_pg_error(exc, DIVISION_BY_ZERO):
+                return False  # the row is not this lease's: nothing committed
+            raise
+        self._forget(lease, tx)
+        self._finish(tx)
+        self._maybe_cleanup()
+        return True
+
+    def _forget(self, lease: Lease, tx: Transaction) -> None:
+        self._open.pop(lease.token, None)
+        transactions.unregister(lease.token)
+
+    def _verify(self, lease: Lease, row: str, pid: int | None) -> bool:
+        """After a lost commit reply: the record is there with this lease's token (True),
+        or the server has ended the session that sent the commit without it (False); while
+        that session still exists the outcome is open (ConnectionError)."""
+        rows, alive = self.autocommit([(self.sql.verify, (row,)), (self.sql.session, (pid,))])
+        if rows and rows[0][0] == "completed" and rows[0][1] == lease.fencing_token:
+            return True
+        if alive and alive[0][0]:
+            raise ConnectionError("the session that sent the commit is still open on the server")
+        return False
+
+    def _maybe_cleanup(self) -> None:
+        now = time.monotonic()
+        if now < self._next_cleanup:
+            return
+        self._next_cleanup = now + self.cleanup_interval * _jitter()
+        try:
+            self.cleanup()
+        except Exception as exc:  # never fail a committed delivery over housekeeping
+            log.warning(
+                "celery-idempotent: sweeping expired rows of %s failed: %r", self.table, exc
+            )
+
+    def cleanup(self, limit: int | None = None) -> int:
+        """Delete at most ``limit`` (``cleanup_batch``) expired rows, oldest first, skipping
+        rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
+        n = self.cleanup_batch if limit is None else limit
+        return int(self.autocommit([(self.sql.cleanup, (n,))])[0])
+
+
+def _jitter() -> float:
+    import random  # noqa: PLC0415
+
+    return 0.5 + random.random()  # noqa: S311 - spreads the sweeps of many processes

@@ -1,0 +1,362 @@
+"""The PostgreSQL backend's connections and transactions (psycopg 3), below its protocol steps.
+
+:class:`PsycopgTransactions` keeps a small pool of idle connections per process, opens a
+guarded transaction with its first statements in one flight, runs more in it and ends it
+(COMMIT in the same flight as the last statements, or ROLLBACK); :class:`Transaction` is one
+open guarded transaction.
+:class:`~celery_idempotent.backends.postgres.backend.PostgresBackend` builds the lock provider
+and store on these steps; ``DjangoBackend`` replaces them with Django's connection and
+``transaction.atomic``. psycopg is imported on first use only (:func:`import_psycopg`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from celery_idempotent.backends.postgres.sql import LOCK_NOT_AVAILABLE, Statements, ddl, is_pg_error
+from celery_idempotent.core import green
+from celery_idempotent.core.exceptions import IdempotencyConnectionError
+from celery_idempotent.core.protocols import Lease
+
+__all__ = [
+    "KEEPALIVES",
+    "PsycopgTransactions",
+    "Rollback",
+    "Transaction",
+    "hold",
+    "import_psycopg",
+    "raw_alive",
+    "split_url",
+]
+
+log = logging.getLogger("celery_idempotent")
+
+#: TCP keepalives set on every connection unless the URL sets them: libpq's on the client
+#: side, and the server's own (``tcp_keepalives_*``, per session) so that the server, which
+#: holds the row lock, notices a worker that went silent within about idle + interval * count
+#: seconds (25 s) and rolls its transaction back.
+KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
+
+
+class Rollback(Exception):
+    """Passed to a transaction block's ``__exit__`` to make it roll back."""
+
+
+class Transaction:
+    """One open guarded transaction (a lease): its connection and how to end it."""
+
+    __slots__ = ("block", "conn", "key", "lease", "pid", "raw")
+
+    def __init__(self, conn: Any, block: Any, key: str, raw: Any) -> None:
+        self.conn = conn
+        self.block = block
+        self.key = key
+        self.lease: Lease | None = None
+        self.raw = raw  # the psycopg connection (conn itself, or under Django's wrapper)
+        self.pid: int | None = raw.info.backend_pid if raw is not None else None
+
+
+def hold(conn: Any, delta: int) -> None:
+    """Count the guard's transaction in psycopg's own count of open transaction blocks, so
+    that ``conn.commit()`` / ``conn.rollback()`` in the body raise ``ProgrammingError`` (as
+    inside ``with conn.transaction():``) instead of ending the guard's transaction. Nested
+    ``conn.transaction()`` blocks in the body become savepoints either way."""
+    if hasattr(conn, "_num_transactions"):
+        conn._num_transactions = max(0, conn._num_transactions + delta)
+
+
+def raw_alive(raw: Any) -> bool:
+    """Whether a psycopg connection is still in its transaction, without a round trip.
+
+    Called from the renewal thread while the body may be using the connection: when the body
+    holds it (a query in flight), it is alive by definition; otherwise the socket is read for
+    whatever the server sent unasked (a termination notice, EOF) and the status checked.
+    """
+    if raw is None or raw.closed or raw.broken:
+        return False
+    psycopg = import_psycopg()
+    if not raw.lock.acquire(blocking=False):
+        return True
+    try:
+        raw.pgconn.consume_input()
+        return bool(
+            raw.pgconn.status == psycopg.pq.ConnStatus.OK
+            and raw.info.transaction_status
+            in (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.ACTIVE)
+        )
+    except Exception:
+        return False
+    finally:
+        raw.lock.release()
+
+
+class PsycopgTransactions:
+    """Connections (a per-process pool of idle ones) and guarded transactions on psycopg.
+
+    The steps a backend's protocol methods are made of: :meth:`_begin` a transaction with its
+    first statements, :meth:`_run` more in it (and COMMIT), :meth:`_rollback` or
+    :meth:`_finish` it, :meth:`_alive` (is it still open), :meth:`autocommit` (statements in a
+    transaction of their own). A subclass on another driver (``DjangoBackend``) replaces them.
+    """
+
+    url: str | None
+    table: str
+    create_table: bool
+    max_idle: int
+    sql: Statements
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ddl_lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._ready = False
+        self._open: dict[str, Transaction] = {}
+
+    # -- connections (psycopg) ----------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        psycopg = import_psycopg()
+        kwargs: dict[str, Any] = {"autocommit": True}
+        given = psycopg.conninfo.conninfo_to_dict(self.url)
+        kwargs.setdefault("connect_timeout", 10)
+        if "keepalives" not in given:
+            kwargs["keepalives"] = 1
+            kwargs["keepalives_idle"] = KEEPALIVES["idle"]
+            kwargs["keepalives_interval"] = KEEPALIVES["interval"]
+            kwargs["keepalives_count"] = KEEPALIVES["count"]
+            server = " ".join(f"-c tcp_keepalives_{k}={v}" for k, v in KEEPALIVES.items())
+            kwargs["options"] = f"{given.get('options', '')} {server}".strip()
+        kwargs.setdefault("application_name", given.get("application_name", "celery-idempotent"))
+        # No server-side prepared statements: psycopg prepares a statement at its fifth use,
+        # and when that use is in a pipeline that aborts (a claim that waited past
+        # lock_timeout), it still counts the statement as prepared, so every later claim on
+        # the connection failed with 'prepared statement "_pg3_N" does not exist'. Round
+        # trips are unchanged (each flight is one pipeline either way).
+        kwargs["prepare_threshold"] = None
+        try:
+            return psycopg.connect(self.url, **kwargs)
+        except psycopg.OperationalError as exc:
+            raise ConnectionError(f"cannot connect to PostgreSQL: {exc}") from exc
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Connections made before a fork belong to the parent: never use or close
+                # them here (psycopg itself does not end a connection of another process
+                # when it is garbage collected: tests/postgres/test_postgres_backend.py).
+                self._idle = []
+                self._open = {}
+                self._pid = os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._connect()
+        if not self._ready:
+            with self._ddl_lock:
+                if not self._ready:
+                    try:
+                        self._ensure_table(conn)
+                    except BaseException:
+                        conn.close()
+                        raise
+        return conn
+
+    def _put(self, conn: Any) -> None:
+        psycopg = import_psycopg()
+        usable = (
+            not conn.closed
+            and not conn.broken
+            and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and self._pid == os.getpid()
+        )
+        if usable:
+            with self._lock:
+                if len(self._idle) < self.max_idle:
+                    self._idle.append(conn)
+                    return
+        try:
+            conn.close()
+        except Exception:  # pragma: no cover - closing a broken connection
+            log.debug("closing a PostgreSQL connection failed", exc_info=True)
+
+    def close(self) -> None:
+        """Close the idle connections (open transactions are left to their holders)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _ensure_table(self, conn: Any) -> None:
+        psycopg = import_psycopg()
+        with conn.cursor() as cur:
+            cur.execute(self.sql.exists, self.sql.exists_params)
+            row = cur.fetchone()
+            if not (row and row[0]):
+                if not self.create_table:
+                    raise IdempotencyConnectionError(
+                        None,
+                        f"table {self.table} does not exist and create_table=False: run the "
+                        "DDL of 'celery -A <app> idempotency sql' first",
+                    )
+                # Two processes creating the table at once would collide in pg_type; and
+                # CREATE INDEX IF NOT EXISTS locks the table even when the index exists, which
+                # would wait behind running claims: look again under the lock first.
+                with conn.transaction():
+                    cur.execute(self.sql.ddl_lock, ("celery_idempotent:" + self.table,))
+                    cur.execute(self.sql.exists, self.sql.exists_params)
+                    again = cur.fetchone()
+                    if not (again and again[0]):
+                        cur.execute(ddl(self.table))
+        del psycopg
+        self._ready = True
+
+    # -- the driver: begin, run, end ------------------------------------------------------------
+
+    # BEGIN, COMMIT and ROLLBACK are sent as statements, inside the pipeline with the claim or
+    # the commit: one flight each. (psycopg's Transaction block syncs the pipeline when it
+    # opens and when it closes, which costs two more round trips.) What the block would add,
+    # that the body cannot commit or roll back the guard's transaction with conn.commit() /
+    # conn.rollback(), is kept by psycopg's own transaction counter (see hold).
+
+    def _begin(
+        self, key: str, statements: Sequence[tuple[str, Sequence[Any]]]
+    ) -> tuple[Transaction, list[Any]]:
+        """Open a transaction and run ``statements`` in it (one flight); on error it is
+        rolled back and the error raised."""
+        conn = self._get()
+        results = self._send(conn, [("BEGIN", ()), *statements])[1:]
+        hold(conn, 1)
+        return Transaction(conn, True, key, conn), results
+
+    def _send(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """:meth:`_flight` on a connection outside a transaction of the guard's; on error
+        whatever it opened is rolled back, and a lost connection raised as
+        ``ConnectionError`` (a lock that waited past ``lock_timeout`` is raised as it is)."""
+        psycopg = import_psycopg()
+        try:
+            return self._flight(conn, statements)
+        except BaseException as exc:
+            self._end(conn, commit=False)
+            if isinstance(exc, psycopg.OperationalError) and not is_pg_error(
+                exc, LOCK_NOT_AVAILABLE
+            ):
+                raise ConnectionError(f"PostgreSQL: {exc}") from exc
+            raise
+
+    @staticmethod
+    def _flight(conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Send ``statements`` in one pipeline and return each one's rows (or row count)."""
+        cursors = []
+        with conn.pipeline():
+            for sql, params in statements:
+                cur = conn.cursor()
+                cur.execute(sql, params or None)
+                cursors.append(cur)
+        return [cur.rowcount if cur.description is None else cur.fetchall() for cur in cursors]
+
+    def _end(self, conn: Any, *, commit: bool) -> None:
+        """ROLLBACK whatever is open (closing the connection when that fails), then pool it."""
+        psycopg = import_psycopg()
+        try:
+            if (
+                not conn.closed
+                and not conn.broken
+                and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+            ):
+                conn.execute("COMMIT" if commit else "ROLLBACK")
+        except Exception:
+            log.debug("ending the transaction failed; closing the connection", exc_info=True)
+            conn.close()
+        self._put(conn)
+
+    def _run(
+        self, tx: Transaction, statements: Sequence[tuple[str, Sequence[Any]]], *, commit: bool
+    ) -> list[Any]:
+        """Run ``statements`` in ``tx`` (and COMMIT, when asked) in one flight."""
+        psycopg = import_psycopg()
+        conn = tx.conn
+        if commit:
+            if tx.block:
+                hold(conn, -1)
+                tx.block = False
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+                # The body ended the guard's transaction itself (a raw COMMIT or ROLLBACK):
+                # whatever it committed is not this commit's to vouch for.
+                raise RuntimeError("the guard's transaction was ended inside the body")
+            statements = [*statements, ("COMMIT", ())]
+        try:
+            results = self._flight(conn, statements)
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise ConnectionError(f"PostgreSQL: {exc}") from exc
+            raise
+        return results[: len(results) - 1] if commit else results
+
+    def _rollback(self, tx: Transaction) -> None:
+        if tx.block:
+            hold(tx.conn, -1)
+            tx.block = False
+        self._end(tx.conn, commit=False)
+
+    def _finish(self, tx: Transaction) -> None:
+        self._put(tx.conn)
+
+    def _alive(self, tx: Transaction) -> bool:
+        return raw_alive(tx.raw)
+
+    def autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run ``statements`` in a transaction of their own and commit (one flight)."""
+        conn = self._get()
+        results = self._send(conn, [("BEGIN", ()), *statements, ("COMMIT", ())])
+        self._put(conn)
+        return results[1:-1]
+
+    def _connection_of(self, tx: Transaction) -> Any:
+        return tx.conn
+
+
+def import_psycopg() -> Any:
+    try:
+        import psycopg  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the PostgreSQL backend needs psycopg 3: pip install 'celery-idempotent[postgres]'"
+        ) from exc
+    if green.runtime() is not None:
+        cooperative_wait(psycopg)
+    return psycopg
+
+
+def cooperative_wait(psycopg: Any) -> None:
+    """Make psycopg wait for the server through the green hub, not in a C ``poll``.
+
+    psycopg picks its wait function when it is imported: a C ``poll`` (``wait_c``) unless
+    gevent has patched ``select``. Eventlet is not detected (and gevent is not when psycopg
+    was imported before patching), so every query, and a claim that waits up to
+    ``lock_timeout`` for a key's holder, froze the whole event loop: under ``-P eventlet``
+    the holder's body could not even run to end its transaction while the duplicate waited.
+    ``wait_select`` calls ``select.select``, which both libraries patch to yield to the hub
+    (their ``select`` has no ``FD_SETSIZE`` limit). Connection set-up (``wait_conn``) uses
+    ``selectors.DefaultSelector``, which they patch too.
+    """
+    waiting = psycopg.waiting
+    native = getattr(waiting, "wait_c", None)
+    if native is not None and waiting.wait is native:
+        waiting.wait = waiting.wait_select
+
+
+OURS = ("table", "lock_timeout")
+
+
+def split_url(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without this backend's own query parameters, and those parameters."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in OURS}
+    rest = [(k, v) for k, v in query if k not in OURS]
+    return urlunsplit(parts._replace(query=urlencode(rest))), ours

@@ -1,0 +1,189 @@
+"""The PostgreSQL backend's table: its DDL, the SQL of every step, and how a row holds a record.
+
+:mod:`celery_idempotent.backends.postgres` runs these statements; nothing here opens a connection.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from celery_idempotent.core.codec import ResultCodec
+from celery_idempotent.core.protocols import IdempotencyRecord
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "DIVISION_BY_ZERO",
+    "LOCK_NOT_AVAILABLE",
+    "Statements",
+    "check_table",
+    "ddl",
+    "decode_row",
+    "is_pg_error",
+    "quote_table",
+    "record_columns",
+]
+
+#: The table name when none is given (URL query parameter ``table``).
+DEFAULT_TABLE = "celery_idempotency"
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}(\.[A-Za-z_][A-Za-z0-9_]{0,47})?$")
+LOCK_NOT_AVAILABLE = "55P03"
+DIVISION_BY_ZERO = "22012"
+
+
+def quote_table(table: str) -> str:
+    """``table`` (``name`` or ``schema.name``) quoted for SQL."""
+    return ".".join(f'"{part}"' for part in table.split("."))
+
+
+def ddl(table: str = DEFAULT_TABLE) -> str:
+    """The SQL that creates the backend's table, index and sequence (idempotent: ``IF NOT
+    EXISTS``), for teams that run DDL themselves (``celery -A app idempotency sql``)."""
+    check_table(table)
+    name = table.rsplit(".", maxsplit=1)[-1]
+    schema = table[: -len(name)]
+    t = quote_table(table)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {t} (\n"
+        "    key              text PRIMARY KEY,\n"
+        "    state            text NOT NULL,          -- 'completed' (committed rows)\n"
+        "    fencing_token    bigint,\n"
+        "    fingerprint      text,\n"
+        "    content_type     text,\n"
+        "    content_encoding text,\n"
+        "    result           bytea,\n"
+        "    created_at       double precision,\n"
+        "    expires_at       timestamptz NOT NULL\n"
+        ");\n"
+        f'CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {t} (expires_at);\n'
+        f"CREATE SEQUENCE IF NOT EXISTS {quote_table(schema + name + '_fencing')};\n"
+    )
+
+
+def check_table(table: Any) -> str:
+    """``table`` if it is a PostgreSQL identifier (optionally schema-qualified), else an error."""
+    if not isinstance(table, str) or not _IDENT.match(table):
+        raise ValueError(
+            "table must be a PostgreSQL identifier (letters, digits, underscores, optionally "
+            f"schema-qualified: 'schema.table'), got {table!r}"
+        )
+    return table
+
+
+def is_pg_error(exc: BaseException, code: str) -> bool:
+    """Whether ``exc`` (or, under Django, its cause) is the PostgreSQL error ``code``."""
+    for each in (exc, exc.__cause__):
+        if each is not None and (
+            getattr(each, "sqlstate", None) == code or getattr(each, "pgcode", None) == code
+        ):
+            return True
+    return False
+
+
+class Statements:
+    """The SQL of one table."""
+
+    def __init__(self, table: str) -> None:
+        t = quote_table(table)
+        name = table.rsplit(".", maxsplit=1)[-1]
+        schema = table[: -len(name)]
+        self.table = table
+        self.seq = f"{schema}{name}_fencing"
+        fields = "state, fingerprint, content_type, content_encoding, result, created_at, "
+        fields += "fencing_token"
+        self.lock_timeout = "SELECT set_config('lock_timeout', %s, true)"
+        self.lock_timeout_reset = "SET LOCAL lock_timeout TO DEFAULT"
+        # A row to lock: inserted when missing (visible only to this transaction until it
+        # commits). A concurrent insert of the same key makes this wait for that transaction
+        # (lock_timeout applies); an existing row is left alone, unlocked.
+        self.insert = (
+            f"INSERT INTO {t} (key, state, fencing_token, expires_at) "
+            "VALUES (%s, 'running', 0, '-infinity') ON CONFLICT (key) DO NOTHING"
+        )
+        # Claim: lock the row (waiting for its holder) unless it holds an unexpired record;
+        # the token is drawn after the lock is ours, so successive holders draw in order.
+        self.claim = (
+            f"UPDATE {t} SET state = 'running', fencing_token = nextval('{self.seq}') "
+            "WHERE key = %s AND (state <> 'completed' OR expires_at <= statement_timestamp()) "
+            "RETURNING fencing_token"
+        )
+        # Lock only (LockProvider.acquire): the row whatever it holds.
+        self.lock = (
+            f"UPDATE {t} SET fencing_token = nextval('{self.seq}') WHERE key = %s "
+            "RETURNING fencing_token"
+        )
+        self.select = (
+            f"SELECT {fields} FROM {t} WHERE key = %s AND state = 'completed' "
+            "AND expires_at > statement_timestamp()"
+        )
+        # Commit: only the lease's own row; no row -> division by zero, which aborts the
+        # transaction so that the COMMIT sent with it commits nothing (body's writes included).
+        self.commit = (
+            f"WITH done AS (UPDATE {t} SET state = 'completed', fingerprint = %s, "
+            "content_type = %s, content_encoding = %s, result = %s, created_at = %s, "
+            "expires_at = statement_timestamp() + make_interval(secs => %s) "
+            "WHERE key = %s AND fencing_token = %s RETURNING 1) "
+            "SELECT 1 / (SELECT count(*)::int FROM done)"
+        )
+        # After a lost reply: did this lease's commit land? (With the session check below.)
+        self.verify = f"SELECT state, fencing_token FROM {t} WHERE key = %s"
+        self.session = "SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = %s"
+        self.upsert = (
+            f"INSERT INTO {t} (key, state, fencing_token, fingerprint, content_type, "
+            "content_encoding, result, created_at, expires_at) VALUES (%s, 'completed', "
+            "%s, %s, %s, %s, %s, %s, "
+            "statement_timestamp() + make_interval(secs => %s)) ON CONFLICT (key) DO UPDATE "
+            "SET state = 'completed', fencing_token = EXCLUDED.fencing_token, "
+            "fingerprint = EXCLUDED.fingerprint, content_type = EXCLUDED.content_type, "
+            "content_encoding = EXCLUDED.content_encoding, result = EXCLUDED.result, "
+            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at"
+        )
+        self.delete = (
+            f"DELETE FROM {t} WHERE key = %s AND state = 'completed' "
+            "AND expires_at > statement_timestamp()"
+        )
+        self.delete_any = f"DELETE FROM {t} WHERE key = %s"
+        self.probe = f"SELECT 1 FROM {t} WHERE key = %s FOR UPDATE NOWAIT"
+        self.cleanup = (
+            f"DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} "
+            "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
+            "FOR UPDATE SKIP LOCKED))"
+        )
+        # A plain MVCC read of the catalog (to_regclass may answer from a catalog snapshot
+        # taken before a concurrent creator committed).
+        self.exists = (
+            "SELECT count(*) = 2 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE c.relname IN (%s, %s) AND (n.nspname = %s OR "
+            "(%s = '' AND pg_catalog.pg_table_is_visible(c.oid)))"
+        )
+        schema_name = schema.rstrip(".")
+        self.exists_params = (name, name + "_fencing", schema_name, schema_name)
+        self.ddl_lock = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+
+
+def record_columns(
+    codec: ResultCodec, key: str, record: IdempotencyRecord
+) -> tuple[str | None, str, str, bytes, float]:
+    """``record`` as the columns ``fingerprint, content_type, content_encoding, result,
+    created_at`` (in that order, as :attr:`Statements.upsert` and :attr:`Statements.commit`
+    take them); :class:`~celery_idempotent.core.exceptions.ResultEncodeError` when the serializer
+    refuses the result."""
+    data = codec.dumps(key, record.result)
+    return (
+        record.fingerprint,
+        codec.content_type,
+        codec.content_encoding,
+        data,
+        float(record.created_at),
+    )
+
+
+def decode_row(codec: ResultCodec, key: str, row: Sequence[Any]) -> IdempotencyRecord:
+    """The record in a row of :attr:`Statements.select`'s columns;
+    :class:`~celery_idempotent.core.exceptions.RecordDecodeError` when its result is refused."""
+    _state, fingerprint, ctype, encoding, data, created_at, fence = row
+    raw = bytes(data) if data is not None else b""
+    result = codec.loads(key, ctype, encoding, raw)
+    token = None if fence is None else int(fence)
+    return IdempotencyRecord(result, fingerprint, float(created_at or 0.0), token)

@@ -1,0 +1,1 @@
+"""Redis: every Redis name, Lua script, redis-py client and Redis error."""

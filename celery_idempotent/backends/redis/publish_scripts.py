@@ -1,0 +1,99 @@
+"""The Lua scripts of the publish side: ``apply_async``'s decision, with or without the
+broker's push in the same step, and the queued marker's removal (see
+``celery_idempotent.keyspace`` for the marker, ``celery_idempotent.celery.publish`` for their use).
+"""
+
+from __future__ import annotations
+
+from celery_idempotent import keyspace
+from celery_idempotent.backends.redis.scripts import SEP
+
+__all__ = ["DROP_QUEUED", "PUBLISH", "PUBLISH_AND_PUSH"]
+
+# KEYS[1] record  KEYS[2] lock   ARGV[1] task id  ARGV[2] fingerprint ('' for none)
+# ARGV[3] publish ttl ms
+# The publish-side decision of apply_async, in one step:
+# -> {1}                  publish: the marker for ARGV[1] is set (or was already ARGV[1]'s own)
+# -> {2, record}          completed (v2 record): publish nothing
+# -> {3, v1 fields...}    completed (v1 record): publish nothing
+# -> {5, task id, fp}     queued or running under another fingerprint: a mismatch
+# -> {6, task id}         queued or running (the marker names the first call): publish nothing
+# -> {7}                  running without a marker, or a foreign value: publish as without
+#                         the check (the run-time guard decides)
+# A lock whose lease has ended (a tombstone) is not running.
+PUBLISH = (
+    """
+local got = redis.call('mget', KEYS[1], KEYS[2])
+local rec, held = got[1], got[2]
+if rec then
+  local head = string.sub(rec, 1, 2)
+  if head == '"""
+    + keyspace.RECORD_HEAD
+    + """' then return {2, rec} end
+  if head ~= '"""
+    + keyspace.QUEUED_HEAD
+    + """' then return {7} end
+  local cut = string.find(rec, '"""
+    + keyspace.SEP
+    + """', 3, true)
+  if not cut then return {7} end
+  local tid, fp = string.sub(rec, 3, cut - 1), string.sub(rec, cut + 1)
+  if tid == ARGV[1] then return {1} end
+  if fp ~= '' and ARGV[2] ~= '' and fp ~= ARGV[2] then return {5, tid, fp} end
+  return {6, tid}
+elseif redis.call('exists', KEYS[1]) == 1 then
+  local v1 = redis.pcall('hmget', KEYS[1], """
+    + keyspace.lua_list(keyspace.V1_RECORD_FIELDS)
+    + """)
+  if type(v1) == 'table' and v1[1] then return {3, unpack(v1)} end
+  return {7}
+end
+if held then
+  local a = string.find(held, '"""
+    + SEP
+    + """', 1, true)
+  local d = a and tonumber(string.sub(held, 1, a - 1))
+  if not d then return {7} end
+  local t = redis.call('time')
+  if d * 1000 > tonumber(t[1]) * 1000000 + tonumber(t[2]) then return {7} end
+end
+redis.call('set', KEYS[1], '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[1] .. '"""
+    + keyspace.SEP
+    + """' .. ARGV[2], 'PX', ARGV[3])
+return {1}
+"""
+)
+
+# KEYS[1] record  KEYS[2] lock  KEYS[3] the broker's queue (a kombu Redis list)
+# ARGV[1..3] as PUBLISH  ARGV[4] the message as kombu's Redis transport pushes it
+# PUBLISH's decision (its very text, run as a function), then the message pushed in the same
+# step when it says publish ({1}, {7}): one round trip for the check and the broker's LPUSH
+# when the broker is this Redis. Replies as PUBLISH; nothing pushed for the others.
+PUBLISH_AND_PUSH = (
+    "local function decide()\n"
+    + PUBLISH
+    + """end
+local r = decide()
+if r[1] == 1 or r[1] == 7 then redis.call('lpush', KEYS[3], ARGV[4]) end
+return r
+"""
+)
+
+# KEYS[1] record   ARGV[1] task id
+# -> 1 when the record name held ARGV[1]'s queued marker and it is deleted, else 0
+DROP_QUEUED = (
+    """
+local mine = '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[1] .. '"""
+    + keyspace.SEP
+    + """'
+local rec = redis.pcall('get', KEYS[1])
+if type(rec) == 'string' and string.sub(rec, 1, #mine) == mine then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+)

@@ -1,0 +1,1 @@
+"""The Celery adapter: IdempotentTask and what it delegates to."""

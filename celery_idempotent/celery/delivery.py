@@ -1,0 +1,208 @@
+"""One delivery through the guard: the body run at most once per key, a held key handled as
+``idempotency_on_locked`` says, the outcome handed back to Celery as a worker hands it on."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_idempotent.celery.publish import drop_queued_marker
+from celery_idempotent.celery.requeue import on_locked, requeue, wait_in_place
+from celery_idempotent.celery.results import (
+    as_delivered,
+    failure_envelope,
+    failure_from,
+    is_failure_envelope,
+)
+from celery_idempotent.core.exceptions import (
+    IdempotencyConnectionError,
+    LockAcquisitionError,
+    LockLostError,
+)
+from celery_idempotent.core.fingerprint import key_digest
+from celery_idempotent.core.guard import ABSENT, DistributedIdempotencyGuard, Outcome
+from celery_idempotent.settings import never_stored
+
+if TYPE_CHECKING:
+    from celery_idempotent.celery.keys import PreparedCall
+    from celery_idempotent.celery.task import IdempotentTask
+    from celery_idempotent.settings import IdempotencySettings
+
+__all__ = ["run", "running_guard"]
+
+log = logging.getLogger("celery_idempotent")
+
+# (guard, task name, task id) of the guarded body running in this context: retry() releases
+# the lease only when it is called by that very delivery, not by a task called directly inside.
+_running: contextvars.ContextVar[tuple[DistributedIdempotencyGuard, str, Any] | None] = (
+    contextvars.ContextVar("celery_idempotent_guard", default=None)
+)
+
+#: Exceptions that are Celery's control flow, not a body failing.
+_CONTROL_FLOW = (Retry, Ignore, Reject)
+
+
+def running_guard(task: IdempotentTask) -> DistributedIdempotencyGuard | None:
+    """The guard of ``task``'s delivery whose body runs in this context, else ``None`` (also
+    for another task, or this task called directly inside that body)."""
+    running = _running.get()
+    if running is None or running[1:] != (task.name, task.request.id):
+        return None
+    return running[0]
+
+
+def run(
+    task: IdempotentTask,
+    cfg: IdempotencySettings,
+    guard: DistributedIdempotencyGuard,
+    prepared: PreparedCall,
+    call_body: Callable[[], Any],
+    *,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run the delivery in ``task.request`` through ``guard``: ``call_body()`` runs the
+    task's body, at most once per key. Returns (or raises) what Celery hands on: the value,
+    a stored failure raised again, for an eager caller the value as a replay gets it. A held
+    key follows ``idempotency_on_locked`` (a re-queue raises ``Retry``)."""
+    body = _Body(call_body, task, cfg.idempotency_store_errors)
+    token = _running.set((guard, task.name, task.request.id))
+    try:
+        outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
+    except _CONTROL_FLOW:
+        raise
+    except BaseException:
+        if body.started:  # the body failed for good: its queued marker ends with it
+            drop_queued_marker(task, guard, prepared.key)
+        raise
+    finally:
+        _running.reset(token)
+    return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+class _Body:
+    """The body as the guard calls it: notes that it started, and turns a failure listed in
+    ``idempotency_store_errors`` into the envelope that is stored (noting the failure)."""
+
+    def __init__(
+        self,
+        call_body: Callable[[], Any],
+        task: IdempotentTask,
+        store_errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.call_body = call_body
+        self.task = task
+        self.store_errors = store_errors
+        self.started = False
+        self.failed: BaseException | None = None
+
+    def __call__(self) -> Any:
+        self.started = True
+        if not self.store_errors:
+            return self.call_body()
+        try:
+            return self.call_body()
+        except self.store_errors as exc:
+            if isinstance(exc, never_stored()):
+                raise
+            self.failed = exc
+            return failure_envelope(self.task, exc)
+
+
+def _outcome(
+    task: IdempotentTask,
+    cfg: IdempotencySettings,
+    guard: DistributedIdempotencyGuard,
+    prepared: PreparedCall,
+    body: _Body,
+    *,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Outcome[Any]:
+    """The guard's outcome for this delivery. A key held by another delivery, or a backend
+    unreachable before the body ran, ends the delivery (re-queued, an error, ignored or
+    rejected), except in an eager call that retries: that one waits here and tries again."""
+    request = task.request
+    key, payload, fingerprint = prepared
+    while True:
+        try:
+            return guard.run(
+                key,
+                body,
+                input=payload if fingerprint is not None else ABSENT,
+                fingerprint=fingerprint,
+                task_id=None if request.id is None else str(request.id),
+            )
+        except LockAcquisitionError as exc:
+            log.info(
+                "key held by another delivery for %s[%s] key=%s after %d attempt(s): %s",
+                task.name,
+                request.id,
+                key_digest(key),
+                exc.attempts,
+                cfg.idempotency_on_locked,
+            )
+            if request.is_eager and cfg.idempotency_on_locked == "retry":
+                wait_in_place(task, cfg)  # no queue to come back through: try again here
+                continue
+            on_locked(task, cfg, key, exc, args=args, kwargs=kwargs)  # ends the delivery
+        except IdempotencyConnectionError as exc:
+            # Redis unreachable before the body ran: nothing happened, so a re-queue is safe.
+            # After the body ran the error stands (the result is not stored). In eager mode
+            # there is no queue to come back through: waiting in place for a Redis that may
+            # never answer (a wrong URL) would hang the caller.
+            if body.started or cfg.idempotency_on_locked != "retry" or request.is_eager:
+                raise
+            log.warning(
+                "idempotency backend unreachable for %s[%s]; re-queueing: %s",
+                task.name,
+                request.id,
+                exc,
+            )
+            requeue(task, cfg, exc, args, kwargs)
+        except LockLostError as exc:
+            if body.failed is not None:  # the failure was not stored: it stands as it is
+                raise body.failed from exc
+            raise
+
+
+def _handed_on(
+    task: IdempotentTask,
+    cfg: IdempotencySettings,
+    key: str,
+    outcome: Outcome[Any],
+    failed: BaseException | None,
+) -> Any:
+    """The outcome as Celery hands it on: a stored failure raised again, an eager first run's
+    value as its replays will get it."""
+    request = task.request
+    if is_failure_envelope(outcome.value):
+        if failed is not None and not outcome.replayed:
+            raise failed
+        stored = failure_from(task, outcome.value)
+        log.info(
+            "replayed stored failure %s for %s[%s] key=%s",
+            type(stored).__name__,
+            task.name,
+            request.id,
+            key_digest(key),
+        )
+        raise stored
+    if not outcome.replayed and request.is_eager and not cfg.in_memory:
+        # A worker hands the body's value to the caller, links and chains through the
+        # result serializer; eagerly Celery hands over the object itself. Give the first
+        # eager caller what its replays will get (JSON: a tuple arrives as a list).
+        return as_delivered(task.app.conf, outcome.value)
+    if outcome.replayed and log.isEnabledFor(logging.INFO):
+        log.info(
+            "replayed stored result for %s[%s] key=%s (fencing token %s)",
+            task.name,
+            request.id,
+            key_digest(key),
+            outcome.fencing_token,
+        )
+    return outcome.value

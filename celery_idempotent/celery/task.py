@@ -1,0 +1,328 @@
+"""``IdempotentTask``: a Celery task base that runs each idempotency key's body once.
+
+Celery's tracer calls a task's own ``__call__`` when the class defines one, after it has pushed
+the request; ``IdempotentTask.__call__`` reads the request, derives the key and runs the body
+(``super().__call__``) through a :class:`~celery_idempotent.DistributedIdempotencyGuard`.
+One task instance serves every thread of a process, so nothing per call is kept on ``self``.
+
+This module is the Celery adapter only; the work is done by:
+
+- ``task_keys.py``: the key and fingerprint of a call;
+- ``factory.py``: the backends and guards of the process (``reset_backends``);
+- ``publish.py``: duplicates stopped at ``apply_async``;
+- ``delivery.py``: one delivery run through the guard, its outcome handed back to Celery;
+- ``requeue.py``: ``idempotency_on_locked`` and the re-queue of a duplicate;
+- ``results.py``: the result serializer and the stored-failure envelope;
+- ``worker_start.py``: the checks a worker runs when it starts (connected on import of this
+  module).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery import Task
+from celery._state import _task_stack
+
+from celery_idempotent import admin
+from celery_idempotent.admin import Forgotten, IdempotencyStatus
+from celery_idempotent.backends.redis.store import RedisIdempotencyStore
+from celery_idempotent.celery import delivery
+from celery_idempotent.celery import keys as task_keys
+from celery_idempotent.celery.factory import factory, reset_backends
+from celery_idempotent.celery.keys import KEY_HEADER, SLOT_HEADER
+from celery_idempotent.celery.publish import publish
+from celery_idempotent.celery.requeue import (
+    MAX_REQUEUE_COUNTDOWN,
+    MAX_REQUEUE_DELAY,
+    REQUEUE_HEADER,
+    requeue_countdown,
+)
+from celery_idempotent.celery.results import FAILURE_MARKER
+from celery_idempotent.celery.worker_start import (
+    STARTUP_CHECKS,
+    check_app_at_worker_start,
+    check_beat_schedule,
+    check_eviction,
+    check_namespaces,
+    check_pool,
+)
+from celery_idempotent.core.guard import DistributedIdempotencyGuard, current_lease
+from celery_idempotent.settings import IdempotencySettings, resolve, task_option_defaults
+
+__all__ = [
+    "FAILURE_MARKER",
+    "KEY_HEADER",
+    "MAX_REQUEUE_COUNTDOWN",
+    "MAX_REQUEUE_DELAY",
+    "REQUEUE_HEADER",
+    "SLOT_HEADER",
+    "STARTUP_CHECKS",
+    "IdempotentTask",
+    "check_app_at_worker_start",
+    "check_beat_schedule",
+    "check_eviction",
+    "check_namespaces",
+    "check_pool",
+    "requeue_countdown",
+    "reset_backends",
+]
+
+log = logging.getLogger("celery_idempotent")
+
+#: Set on the request of a delivery while IdempotentTask.__call__ handles it.
+_GUARDED = "_idempotency_guarded"
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """A task whose body runs once per idempotency key; duplicates get the stored result.
+
+    Use it as ``@app.task(base=IdempotentTask)``. The key comes from, in order: a per-call
+    ``idempotency_key`` header; else the ``idempotency_key`` option or setting: ``"args"``
+    (the canonical hash of the arguments bound to the signature, defaults applied),
+    ``"task_id"``, a format string over the bound arguments (``"order:{order_id}"``), or a
+    callable ``(task, args, kwargs) -> str``. Keys are namespaced by the task's name, or by
+    ``idempotency_namespace``. A key whose format field is ``None`` (or a callable's ``None``)
+    raises ``IdempotencyKeyMissingError``, or runs unguarded with
+    ``idempotency_missing_key="run"``.
+
+    The fingerprint of the bound arguments (or of those ``idempotency_fingerprint`` names) is
+    stored with the result: a later delivery with the same key and other arguments fails with
+    ``IdempotencyMismatchError``. A body that raises one of ``idempotency_store_errors``
+    stores that failure; its duplicates raise it again without running the body.
+
+    Inside the body, :func:`celery_idempotent.current_lease` gives the lease and its fencing
+    token. A direct call ``task(...)`` (no Celery request) runs the body plainly.
+    """
+
+    abstract = True
+    # Every setting is also a task option of the same name, set on this class below from the
+    # settings' declarations (settings.task_option_defaults).
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly or getattr(request, _GUARDED, False):
+            # No request of its own: a direct call, also one from inside this task's own
+            # body, where Celery leaves the running delivery's request (or a copy of it) on
+            # top of the stack. Guarding it would take that delivery's key.
+            return super().__call__(*args, **kwargs)
+        cfg = self.idempotency_settings()
+        if not cfg.idempotency_enabled:
+            return super().__call__(*args, **kwargs)
+        # Every delivery gets a request of its own (the tracer pushes a fresh one); a direct
+        # call finds this one, or the copy Task.__call__ pushes of it, marked.
+        setattr(request, _GUARDED, True)
+        try:
+            prepared = task_keys.prepare_call(self, cfg, args, kwargs)
+            if prepared is None:  # no key, idempotency_missing_key="run"
+                return super().__call__(*args, **kwargs)
+            guard = factory.guard(self, cfg)
+            if _calls_run_plainly(type(self)):
+                body = functools.partial(self._run_body, self.run, args, kwargs)
+            else:
+                body = functools.partial(super().__call__, *args, **kwargs)
+            return delivery.run(self, cfg, guard, prepared, body, args=args, kwargs=kwargs)
+        finally:
+            setattr(request, _GUARDED, False)
+
+    def _run_body(
+        self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        # What Task.__call__ does, less its copy of the request: the body sees the request the
+        # tracer pushed for this delivery, as a plain task's body does (the tracer calls a
+        # plain task's run directly). The copy (a Context built from the request's __dict__,
+        # its custom headers worked out again) cost a first execution about 8% of its CPU
+        # time in process, more in a loaded worker.
+        _task_stack.push(self)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _task_stack.pop()
+
+    # -- the publish side -------------------------------------------------------------------
+
+    def apply_async(  # noqa: PLR0917 - Celery's own signature
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``, with duplicates stopped at publish (one Redis round trip).
+
+        The key is computed as the worker will compute it. When it is already completed, no
+        message is published and the result object returned has the first execution's task
+        id and its stored value (``.get()`` returns at once); when a call with the key is
+        queued or running, ``AsyncResult(<its task id>)``; with another fingerprint,
+        :class:`IdempotencyMismatchError` is raised here. Otherwise a "queued" marker (task id
+        and fingerprint) is set, then the message published (the marker is removed if the
+        publish fails). ``idempotency_on_duplicate_publish`` (a setting, a task option, or an
+        option of this call) can make a duplicate raise :class:`DuplicatePublishError` or
+        publish anyway.
+
+        Published as they are, without the check: a call with its marker's own task id
+        (``retry()``, a client re-sending), the library's re-queues, calls with ``link``,
+        ``link_error``, or part of a chain, group or chord, eager calls, memory:// backends.
+        ``app.send_task`` does not come through here.
+        """
+        return publish(
+            self,
+            args,
+            kwargs,
+            task_id,
+            link=link,
+            link_error=link_error,
+            options=options,
+            send=lambda task_id, options, producer: super(IdempotentTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            ),
+            producer=producer,
+        )
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, after releasing this delivery's lock.
+
+        ``Task.retry`` publishes the retry message before it raises ``Retry``; with a
+        concurrent pool the retry could otherwise arrive while the lock is still held.
+        """
+        guard = delivery.running_guard(self)
+        lease = current_lease()
+        if guard is not None and lease is not None and not self.request.called_directly:
+            try:
+                guard.lock_provider.release(lease)
+            except Exception as exc:  # the lease expires by itself; retrying matters more
+                log.warning("could not release the lock before retry of %s: %r", self.name, exc)
+        return super().retry(*args, **kwargs)
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def idempotency_settings(self) -> IdempotencySettings:
+        """The settings in force for this task (task options over ``app.conf``)."""
+        return resolve(self.app, self)
+
+    def idempotency_namespace_of(self) -> str:
+        """The namespace of this task's keys: ``idempotency_namespace``, else its name."""
+        return self.idempotency_settings().idempotency_namespace or str(self.name)
+
+    def idempotency_key_for(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        payload: Any = None,
+        fingerprint: str | None = None,
+    ) -> str:
+        """The namespaced key of a call with ``args`` and ``kwargs`` in the current request.
+
+        ``fingerprint``, when given, is the hash of every bound argument (the ``"args"`` key);
+        raises :class:`IdempotencyKeyMissingError` when a format field or the key callable
+        gives ``None``.
+        """
+        cfg = self.idempotency_settings()
+        return task_keys.key_for(self, cfg, args, kwargs, payload=payload, fingerprint=fingerprint)
+
+    def idempotency_fingerprint_for(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None
+    ) -> str | None:
+        """The fingerprint stored with a call's result and compared with its duplicates'
+        (``None``: not compared), as ``idempotency_fingerprint`` says."""
+        cfg = self.idempotency_settings()
+        return task_keys.fingerprint_for(self, cfg, args, kwargs, payload=payload)
+
+    def idempotency_guard(self) -> DistributedIdempotencyGuard:
+        """The guard this task's calls go through in this process (built once from its
+        settings, over the backends they name)."""
+        return factory.guard(self, self.idempotency_settings())
+
+    # -- admin ------------------------------------------------------------------------------
+
+    def idempotency_status(
+        self,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        task_id: str | None = None,
+    ) -> IdempotencyStatus:
+        """What the store holds for one key of this task: a frozen
+        :class:`~celery_idempotent.admin.IdempotencyStatus` (state ``"completed"``,
+        ``"running"`` or ``"absent"``, task id where known, age, TTL left, fencing token,
+        fingerprint), read in one round trip, as ``celery -A proj idempotency inspect`` reads it.
+
+        The key is the one a call with ``args`` and ``kwargs`` uses (shaped like
+        ``apply_async``: ``charge.idempotency_status((42, 999))``), or ``key``, an explicit key
+        as the ``idempotency_key`` header gives it, or ``task_id`` for a task keyed by task id.
+        """
+        cfg, nkey, client = self._admin_target(args, kwargs, key=key, task_id=task_id)
+        if client is None:
+            return admin.status_from_guard(factory.guard(self, cfg), nkey)
+        return admin.status_of(admin.read_key(client, cfg.idempotency_key_prefix, nkey))
+
+    def idempotency_forget(
+        self,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        key: str | None = None,
+        task_id: str | None = None,
+        force: bool = False,
+    ) -> Forgotten:
+        """Delete one key's record (named as for :meth:`idempotency_status`): its next delivery
+        runs the body again. Returns a :class:`~celery_idempotent.admin.Forgotten`.
+
+        A held lock means a delivery is running the body now: without ``force`` that raises
+        :class:`~celery_idempotent.IdempotencyKeyHeldError` and nothing is deleted; with
+        ``force`` the lock goes too, if it is still the lease that was read. The same as
+        ``celery -A proj idempotency forget`` (``--force``).
+        """
+        cfg, nkey, client = self._admin_target(args, kwargs, key=key, task_id=task_id)
+        if client is None:
+            return admin.forget_from_guard(factory.guard(self, cfg), nkey, force=force)
+        info = admin.read_key(client, cfg.idempotency_key_prefix, nkey)
+        return admin.forget_key(client, info, force=force)
+
+    def _admin_target(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        *,
+        key: str | None,
+        task_id: str | None,
+    ) -> tuple[IdempotencySettings, str, Any]:
+        """(settings, namespaced key, the task's own Redis client or ``None`` for another
+        backend) of the key the admin methods' arguments name."""
+        cfg = self.idempotency_settings()
+        nkey = task_keys.admin_key(self, cfg, args, kwargs, key=key, task_id=task_id)
+        _, store = factory.backends(self, cfg)
+        client = store.client if isinstance(store, RedisIdempotencyStore) else None
+        return cfg, nkey, client
+
+
+def _calls_run_plainly(cls: type[IdempotentTask]) -> bool:
+    """Whether the ``__call__`` after ``IdempotentTask``'s in ``cls``'s MRO is Celery's own
+    ``Task.__call__`` (then the body is run without it; a mixin's ``__call__`` still runs)."""
+    found = cls.__dict__.get("_idempotency_plain_call")
+    if found is None:
+        mro = cls.__mro__
+        after = mro[mro.index(IdempotentTask) + 1 :]
+        found = (
+            next((c.__dict__["__call__"] for c in after if "__call__" in c.__dict__), None)
+            is Task.__call__
+        )
+        cls._idempotency_plain_call = found
+    return bool(found)
+
+
+# Task options (same names as the settings): ``None`` means "use the app's setting"; ``NOT_SET``
+# where a task's own ``None`` means something (``idempotency_fingerprint=None``: no check).
+for _option, _unset in task_option_defaults().items():
+    setattr(IdempotentTask, _option, _unset)

@@ -1,0 +1,4 @@
+"""The core: the guard, its protocols, lease keeping, back-off, codec and errors.
+
+Imports neither Celery nor a backend.
+"""
