@@ -38,7 +38,14 @@ from celery_idempotent.core.exceptions import (
     LockLostError,
 )
 from celery_idempotent.core.fingerprint import fingerprint_payload, key_digest
-from celery_idempotent.core.outcome import ABSENT, GuardEvent, Outcome, current_lease, running_under
+from celery_idempotent.core.outcome import (
+    ABSENT,
+    GuardEvent,
+    Outcome,
+    current_lease,
+    require_lease,
+    running_under,
+)
 from celery_idempotent.core.protocols import (
     AtomicBackend,
     Claim,
@@ -59,6 +66,7 @@ __all__ = [
     "GuardEvent",
     "Outcome",
     "current_lease",
+    "require_lease",
 ]
 
 T = TypeVar("T")
