@@ -25,6 +25,8 @@ from celery.utils import uuid
 from celery_idempotent import keyspace, signals
 from celery_idempotent.backends.redis import publish as publish_redis
 from celery_idempotent.backends.redis.store import PublishDecision, RedisIdempotencyStore
+from celery_idempotent.celery.checks import _checked as checked_apps
+from celery_idempotent.celery.checks import at_first_publish
 from celery_idempotent.celery.factory import factory
 from celery_idempotent.celery.keys import SLOT_HEADER, prepare_call
 from celery_idempotent.celery.requeue import REQUEUE_HEADER
@@ -91,6 +93,8 @@ def publish(
 ) -> Any:
     """Publish a call of ``task`` unless it is a duplicate (see ``IdempotentTask.apply_async``):
     ``send(task_id, options, producer)`` publishes it (``producer``: the caller's or ``None``)."""
+    if task.app not in checked_apps:
+        at_first_publish(task.app)
     options = dict(options)
     policy = options.pop("idempotency_on_duplicate_publish", None)
     if policy is not None and policy not in DUPLICATE_PUBLISH_POLICIES:
