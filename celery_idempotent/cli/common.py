@@ -132,17 +132,24 @@ def unknown_task_message(app: Any, task_name: str) -> str:
     return (
         f"--task {task_name!r}: this app defines no IdempotentTask of that name.{hint} "
         f"Its idempotent tasks: {listed}. (Keys of a task the app no longer defines: pass "
-        "the namespaced key with --raw.)"
+        "--any-task.)"
     )
 
 
 def connect(
-    ctx: click.Context, *, task_name: str | None, url: str | None, prefix: str | None
+    ctx: click.Context,
+    *,
+    task_name: str | None,
+    url: str | None,
+    prefix: str | None,
+    any_task: bool = False,
 ) -> Target:
-    """Resolve the settings for ``task_name`` (or the app), apply overrides, make a client."""
+    """Resolve the settings for ``task_name`` (or the app), apply overrides, make a client.
+    A ``task_name`` the app does not define as an idempotent task is a usage error (exit
+    status 2) naming the ones it does, unless ``any_task``."""
     app, quiet = _app_of(ctx)
     task = _find_task(app, task_name) if task_name else None
-    if task_name and not _is_idempotent(task):
+    if task_name and not any_task and not _is_idempotent(task):
         raise click.UsageError(unknown_task_message(app, task_name))
     source: Any = app if url is None else _UrlOverride(app, url)
     try:

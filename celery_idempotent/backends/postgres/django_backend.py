@@ -163,6 +163,27 @@ class DjangoBackend(PostgresBackend):
         tx.block.__exit__(None, None, None)
         return results
 
+    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+        """One statement on Django's connection: in autocommit (one round trip) outside an
+        atomic block; inside one (a view under ATOMIC_REQUESTS) it joins that transaction,
+        so the marker commits with the caller's writes (publish from
+        ``transaction.on_commit`` so that the row is not held until then)."""
+        conn = self._db()
+        if not self._ready and not conn.in_atomic_block:
+            self._django_ensure_table(conn)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(self.sql.publish, list(params))
+                return list(cur.fetchall())
+        except Exception as exc:
+            from django.db import InterfaceError, OperationalError  # noqa: PLC0415
+
+            if isinstance(exc, (OperationalError, InterfaceError)) and not is_pg_error(
+                exc, LOCK_NOT_AVAILABLE
+            ):
+                raise ConnectionError(f"PostgreSQL (django://{self.alias}): {exc}") from exc
+            raise
+
     def _connection_of(self, tx: Transaction) -> Any:
         return tx.conn
 
