@@ -198,6 +198,9 @@ def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision
             check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
         )
     except IdempotencyConnectionError as exc:
+        signals.idempotency_backend_unreachable.send(
+            sender=task, task_id=task_id, key=check.key, where="publish", error=exc
+        )
         # Publishing without the check is safe: the worker's guard still decides.
         log.warning("publish-side check of %s skipped, backend unreachable: %s", task.name, exc)
         return None
@@ -324,6 +327,9 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
     key, fingerprint, policy = check.key, check.fingerprint, check.policy
     stored = found.stored_fingerprint
     if fingerprint is not None and stored is not None and stored != fingerprint:
+        signals.idempotency_mismatch_refused.send(
+            sender=task, task_id=found.task_id, key=key, where="publish"
+        )
         raise IdempotencyMismatchError(key, stored, fingerprint)
     first = found.task_id
     signals.idempotency_publish_stopped.send(
