@@ -30,7 +30,7 @@ from celery_idempotent.backends.redis.store import RedisIdempotencyStore
 from celery_idempotent.celery.checks import _checked as checked_apps
 from celery_idempotent.celery.checks import at_first_publish
 from celery_idempotent.celery.factory import factory
-from celery_idempotent.celery.keys import SLOT_HEADER, prepare_call
+from celery_idempotent.celery.keys import SLOT_HEADER, prepare_call, received_or_none
 from celery_idempotent.celery.requeue import REQUEUE_HEADER
 from celery_idempotent.celery.results import failure_from, is_failure_envelope
 from celery_idempotent.core.exceptions import (
@@ -295,9 +295,13 @@ def _plan_publish(
         from celery.utils.threads import LocalStack  # noqa: PLC0415 - as Task.bind does
 
         type(task).request_stack = LocalStack()
+    # The key as the worker will compute it: from the arguments as the message delivers them.
+    received = received_or_none(task, args, kwargs, serializer=options.get("serializer"))
+    if received is None:  # no message can carry them: Celery's publish raises its error
+        return _PublishPlan(task_id=task_id)
     task.push_request(id=task_id, headers=headers, eta=options.get("eta"))
     try:
-        prepared = prepare_call(task, cfg, tuple(args or ()), dict(kwargs or {}))
+        prepared = prepare_call(task, cfg, *received)
     except (TypeError, ValueError, IdempotencyKeyMissingError):
         prepared = None  # the worker reports it when the task runs
     finally:

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
+from kombu.exceptions import KombuError
 
 from celery_idempotent import keyspace
+from celery_idempotent.celery.keys import as_received
 from celery_idempotent.cli.common import DEFAULT_BATCH, Target
 from celery_idempotent.core.exceptions import IdempotencyKeyMissingError
 from celery_idempotent.keyspace import task_key
@@ -65,8 +67,10 @@ def _args_key(
     args = _json_arg(args_json, "--args", list)
     kwargs = _json_arg(kwargs_json, "--kwargs", dict)
     try:
-        return str(task.idempotency_key_for(tuple(args), kwargs))
-    except (TypeError, ValueError, IdempotencyKeyMissingError) as exc:
+        # As the worker would receive them (a --args list through the task's serializer).
+        call_args, call_kwargs = as_received(task, args, kwargs)
+        return str(task.idempotency_key_for(call_args, call_kwargs))
+    except (TypeError, ValueError, IdempotencyKeyMissingError, KombuError) as exc:
         raise click.BadParameter(str(exc), param_hint="--args/--kwargs") from exc
 
 
