@@ -120,6 +120,10 @@ def _tasks(names: list[str]) -> str:
     return ("task " if len(names) == 1 else "tasks ") + ", ".join(sorted(names))
 
 
+def _verb(names: list[str], one: str, many: str) -> str:
+    return one if len(names) == 1 else many
+
+
 def delivery_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
     """At most two messages: the enabled idempotent tasks acknowledged before their body runs
     (early ack), and those with ``acks_late`` but not ``reject_on_worker_lost``. Either way a
@@ -136,13 +140,14 @@ def delivery_warnings(app: Any, tasks: Iterable[Any]) -> list[str]:
     messages = []
     if early:
         messages.append(
-            f"{_tasks(early)} acknowledge their message before the body "
+            f"{_tasks(early)} {_verb(early, 'acknowledges', 'acknowledge')} their message "
+            "before the body "
             "runs (task_acks_late is off, Celery's default): a worker killed mid-body loses "
             f"the call, nothing redelivers it. Set {_SETTINGS_HINT}"
         )
     if lost:
         messages.append(
-            f"{_tasks(lost)} have acks_late without "
+            f"{_tasks(lost)} {_verb(lost, 'has', 'have')} acks_late without "
             "task_reject_on_worker_lost: when a worker child is killed mid-body Celery acks "
             "the message as failed (WorkerLostError) and the call is lost. Set "
             f"{_SETTINGS_HINT}"

@@ -114,8 +114,8 @@ def test_correct_names_raise_nothing(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.mark.parametrize(
     ("opts", "expected"),
     [
-        ({}, "acknowledge their message before the body runs"),
-        ({"acks_late": True}, "have acks_late without task_reject_on_worker_lost"),
+        ({}, "acknowledges their message before the body runs"),
+        ({"acks_late": True}, "has acks_late without task_reject_on_worker_lost"),
     ],
 )
 def test_a_delivery_a_killed_worker_loses_is_a_warning_naming_the_task(
@@ -172,7 +172,7 @@ def test_the_first_publish_of_a_process_reports_settings_and_deliveries_once(
     assert "idempotency_tll" in errors[0]
     assert "did you mean idempotency_ttl?" in errors[0]
     assert len(warnings) == 1, found
-    assert "task chk.charge acknowledge" in warnings[0]
+    assert "task chk.charge acknowledges their message" in warnings[0]
 
 
 def test_the_closest_name_is_found_for_common_slips() -> None:

@@ -272,6 +272,7 @@ class PostgresBackend(PsycopgTransactions):
         row = self._row(record)
         values = {
             "wait": f"{max(1, round(self.lock_timeout * 1000))}ms",
+            "sync": "off",  # a transaction of its own (see Statements.publish)
             "key": row,
             "tid": str(task_id),
             "fp": fingerprint,
@@ -294,6 +295,7 @@ class PostgresBackend(PsycopgTransactions):
         return PublishDecision("publish", unchecked=True)
 
     def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+        """The statement in a transaction of its own (one flight)."""
         result: list[Any] = self.autocommit([(self.sql.publish, params)])[0]
         return result
 

@@ -12,6 +12,7 @@ from celery_idempotent.backends.postgres.sql import (
     DEFAULT_TABLE,
     DIVISION_BY_ZERO,
     LOCK_NOT_AVAILABLE,
+    PUBLISH_PARAMS,
     ddl,
     is_pg_error,
 )
@@ -171,6 +172,10 @@ class DjangoBackend(PostgresBackend):
         conn = self._db()
         if not self._ready and not conn.in_atomic_block:
             self._django_ensure_table(conn)
+        if conn.in_atomic_block:  # the caller's transaction: leave its durability alone
+            params = [
+                None if name == "sync" else value for name, value in zip(PUBLISH_PARAMS, params)
+            ]
         try:
             with conn.cursor() as cur:
                 cur.execute(self.sql.publish, list(params))

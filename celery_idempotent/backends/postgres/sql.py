@@ -176,7 +176,9 @@ class Statements:
         #   free:  the row if no transaction holds it (SKIP LOCKED: never waits), now ours
         #   cfg:   lock_timeout for the insert, which may wait for a key's first claim (its
         #          row inserted, not committed yet): past it, 55P03 and the caller decides
-        #          "publish unchecked"
+        #          "publish unchecked"; synchronous_commit off in a transaction of its own
+        #          (no WAL flush wait: a marker a server crash loses only lets a duplicate
+        #          through to the run-time guard, which replays it)
         # decide: 'completed' (a live record), 'own' (a live marker of this task id), 'queued'
         # (a live marker of another: queued, or running as that call), 'running' (held by a
         # transaction without a live marker or record: a call published without the check),
@@ -185,7 +187,8 @@ class Statements:
         # insert: the caller checks again. Parameters: see PUBLISH_PARAMS.
         self.publish = (
             "WITH cfg AS (SELECT current_setting('lock_timeout') AS before, "
-            "set_config('lock_timeout', %s, true) AS v), "
+            "set_config('lock_timeout', %s, true) AS v, set_config('synchronous_commit', "
+            "COALESCE(%s, current_setting('synchronous_commit')), true) AS sc), "
             f"seen AS (SELECT state, fingerprint, content_type, content_encoding, result, "
             "created_at, fencing_token, expires_at > statement_timestamp() AS live, "
             f"extract(epoch FROM expires_at - statement_timestamp()) AS ttl FROM {t} "
@@ -233,7 +236,7 @@ class Statements:
 
 
 #: The order of :attr:`Statements.publish`'s parameters.
-PUBLISH_PARAMS = ("wait", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
+PUBLISH_PARAMS = ("wait", "sync", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
 
 
 def record_columns(
