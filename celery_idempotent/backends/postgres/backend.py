@@ -19,12 +19,15 @@ from celery_idempotent import transactions
 from celery_idempotent.backends.postgres.connections import (
     PsycopgTransactions,
     Transaction,
+    ended_by_body,
     import_psycopg,
     split_url,
 )
 from celery_idempotent.backends.postgres.sql import (
     DEFAULT_TABLE,
     DIVISION_BY_ZERO,
+    ENDED_MARK,
+    INVALID_TEXT_REPRESENTATION,
     LOCK_NOT_AVAILABLE,
     Statements,
     check_table,
@@ -124,10 +127,23 @@ class PostgresBackend(PsycopgTransactions):
 
     # -- lock provider ------------------------------------------------------------------------
 
-    def _row(self, name: str) -> str:
-        """The row of a lock resource or record key: ``P lock:{K}`` and ``P{K}`` share one."""
-        at = name.find("lock:{")
-        return name[:at] + name[at + 5 :] if at >= 0 else name
+    @staticmethod
+    def _row(key: str) -> str:
+        """The row of a record key ``P{K}``: the key itself."""
+        return key
+
+    @staticmethod
+    def _lock_row(resource: str) -> str:
+        """The row of a lock resource: ``P lock:{K}`` shares the row of the record ``P{K}``.
+
+        A prefix ``P`` has no braces (the settings and the guard refuse them), so the first
+        ``{`` opens the key, and the ``lock:`` just before it is the lock's, whatever ``P``
+        holds (``"mylock:"`` included). A resource of another shape is a row of its own.
+        """
+        at = resource.find("{")
+        if at >= 5 and resource[at - 5 : at] == "lock:":
+            return resource[: at - 5] + resource[at:]
+        return resource
 
     def _claim_statements(self, row: str, lock_only: bool) -> list[tuple[str, Sequence[Any]]]:
         ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
@@ -150,6 +166,7 @@ class PostgresBackend(PsycopgTransactions):
         if claimed:
             lease = Lease(resource, uuid.uuid4().hex, int(claimed[0][0]))
             tx.lease = lease
+            tx.xid = int(claimed[0][1])
             self._open[lease.token] = tx
             transactions.register(lease.token, self._connection_of(tx))
             return Claim(lease, None)
@@ -162,7 +179,7 @@ class PostgresBackend(PsycopgTransactions):
         """Lock ``resource``'s row in a new transaction (``ttl`` is checked, not used: the
         lease lasts as long as the transaction); ``None`` when held past ``lock_timeout``."""
         check_duration("ttl", ttl)
-        return self._claim(resource, self._row(resource), lock_only=True).lease
+        return self._claim(resource, self._lock_row(resource), lock_only=True).lease
 
     def extend(self, lease: Lease, ttl: float) -> bool:
         """``True`` while the lease's transaction is open on a healthy connection (no I/O)."""
@@ -175,6 +192,7 @@ class PostgresBackend(PsycopgTransactions):
         tx = self._open.pop(lease.token, None)
         if tx is None:
             return False
+        tx.lent = transactions.lent(lease.token)
         transactions.unregister(lease.token)
         alive = self._alive(tx)
         self._rollback(tx)
@@ -182,7 +200,7 @@ class PostgresBackend(PsycopgTransactions):
 
     def is_locked(self, resource: str) -> bool:
         """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
-        row = self._row(resource)
+        row = self._lock_row(resource)
         statements = [
             (self.sql.lock_timeout, ("1ms",)),
             (self.sql.insert, (row,)),
@@ -265,12 +283,18 @@ class PostgresBackend(PsycopgTransactions):
             except ConnectionError:
                 self._unconfirmed[lease.token] = pending
                 raise
+        ended = self._ended(tx)
+        if ended is not None:
+            self.release(lease)
+            raise ended_by_body(aborted=ended)
         if not self._alive(tx):
             self.release(lease)
             return False
         params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
+        tx.lent = transactions.lent(lease.token)
+        statements = [(self.sql.same_transaction, (tx.xid,)), (self.sql.commit, params)]
         try:
-            self._run(tx, [(self.sql.commit, params)], commit=True)
+            self._run(tx, statements, commit=True)
         except ConnectionError:
             self._forget(lease, tx)  # the verification runs on another connection
             self._unconfirmed[lease.token] = tx.pid
@@ -280,13 +304,32 @@ class PostgresBackend(PsycopgTransactions):
             self._rollback(tx)
             if is_pg_error(exc, DIVISION_BY_ZERO):
                 return False  # the row is not this lease's: nothing committed
+            if is_pg_error(exc, INVALID_TEXT_REPRESENTATION) and ENDED_MARK in str(exc):
+                raise ended_by_body(aborted=False) from exc
             raise
         self._forget(lease, tx)
         self._finish(tx)
         self._maybe_cleanup()
         return True
 
+    @staticmethod
+    def _ended(tx: Transaction) -> bool | None:
+        """Whether the body left the guard's transaction (no I/O): ``None`` while it is still
+        in it (or the connection is lost: not the body's doing), ``False`` when the session is
+        idle (the body sent COMMIT or ROLLBACK), ``True`` when a failed statement aborted it."""
+        raw = tx.raw
+        if raw is None or not hasattr(raw, "pgconn") or raw.closed or raw.broken:
+            return None
+        status = raw.info.transaction_status
+        psycopg = import_psycopg()
+        if status == psycopg.pq.TransactionStatus.IDLE:
+            return False
+        if status == psycopg.pq.TransactionStatus.INERROR:
+            return True
+        return None
+
     def _forget(self, lease: Lease, tx: Transaction) -> None:
+        tx.lent = tx.lent or transactions.lent(lease.token)
         self._open.pop(lease.token, None)
         transactions.unregister(lease.token)
 

@@ -9,6 +9,7 @@ from typing import Any
 from celery_idempotent.backends.postgres.backend import PostgresBackend
 from celery_idempotent.backends.postgres.connections import Rollback, Transaction, raw_alive
 from celery_idempotent.backends.postgres.sql import (
+    DEFAULT_TABLE,
     DIVISION_BY_ZERO,
     LOCK_NOT_AVAILABLE,
     ddl,
@@ -19,6 +20,12 @@ from celery_idempotent.core.exceptions import IdempotencyConnectionError
 __all__ = ["DjangoBackend"]
 
 log = logging.getLogger("celery_idempotent")
+
+
+def _app_installed() -> bool:
+    from celery_idempotent.contrib.django import is_installed  # noqa: PLC0415
+
+    return is_installed()
 
 
 class DjangoBackend(PostgresBackend):
@@ -88,6 +95,18 @@ class DjangoBackend(PostgresBackend):
             cur.execute(self.sql.exists, list(self.sql.exists_params))
             row = cur.fetchone()
             if not (row and row[0]):
+                if _app_installed():
+                    raise IdempotencyConnectionError(
+                        None,
+                        f"table {self.table} does not exist on django://{self.alias}: with "
+                        "celery_idempotent.contrib.django installed the backend runs no DDL; "
+                        + (
+                            "run `manage.py migrate celery_idempotent`"
+                            if self.table == DEFAULT_TABLE
+                            else "create it with `celery -A proj idempotency sql` (the "
+                            f"app's migrations create {DEFAULT_TABLE} only)"
+                        ),
+                    )
                 if not self.create_table:
                     raise IdempotencyConnectionError(
                         None, f"table {self.table} does not exist and create_table=False"

@@ -15,6 +15,8 @@ from celery_idempotent.core.protocols import IdempotencyRecord
 __all__ = [
     "DEFAULT_TABLE",
     "DIVISION_BY_ZERO",
+    "ENDED_MARK",
+    "INVALID_TEXT_REPRESENTATION",
     "LOCK_NOT_AVAILABLE",
     "Statements",
     "check_table",
@@ -30,6 +32,9 @@ DEFAULT_TABLE = "celery_idempotency"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}(\.[A-Za-z_][A-Za-z0-9_]{0,47})?$")
 LOCK_NOT_AVAILABLE = "55P03"
 DIVISION_BY_ZERO = "22012"
+INVALID_TEXT_REPRESENTATION = "22P02"
+#: In the error :attr:`Statements.same_transaction` raises when the transaction changed.
+ENDED_MARK = "celery-idempotent: the guard's transaction was ended in the body"
 
 
 def quote_table(table: str) -> str:
@@ -106,12 +111,23 @@ class Statements:
         self.claim = (
             f"UPDATE {t} SET state = 'running', fencing_token = nextval('{self.seq}') "
             "WHERE key = %s AND (state <> 'completed' OR expires_at <= statement_timestamp()) "
-            "RETURNING fencing_token"
+            "RETURNING fencing_token, txid_current()"
         )
         # Lock only (LockProvider.acquire): the row whatever it holds.
         self.lock = (
             f"UPDATE {t} SET fencing_token = nextval('{self.seq}') WHERE key = %s "
-            "RETURNING fencing_token"
+            "RETURNING fencing_token, txid_current()"
+        )
+        # Sent first in a commit's flight: an error unless the transaction is still the one
+        # the claim was made in (its id, from the claim's RETURNING). A body that sent COMMIT
+        # or ROLLBACK and then BEGIN (raw SQL) is in a new transaction: the row lock and
+        # whatever it wrote before are gone, so nothing may commit as if they were not. The
+        # error is a cast of a text that depends on a volatile call (so the planner cannot
+        # fold it away): 22P02 with ENDED_MARK in its message, in the server's log too.
+        mark = ENDED_MARK.replace("'", "''")
+        self.same_transaction = (
+            f"SELECT ('{mark} (transaction ' || coalesce(txid_current_if_assigned()::text, "
+            "'none') || ')')::int WHERE txid_current_if_assigned() IS DISTINCT FROM %s"
         )
         self.select = (
             f"SELECT {fields} FROM {t} WHERE key = %s AND state = 'completed' "
