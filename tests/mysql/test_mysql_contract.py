@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import kill_holder
+from mysql_support import kill_holder
 from redis_support import Backend
 from test_redis_contract import (  # noqa: F401 - collected here against PostgreSQL
     test_abort_before_the_first_attempt_leaves_nothing,

@@ -150,8 +150,8 @@ def forget_task(
     try:
         for start in range(0, len(keys), 500):
             batch = keys[start : start + 500]
-            statement = (backend.sql.delete_keys(len(batch)), batch)
-            deleted += int(backend._run(tx, [statement], commit=False)[0])
+            done = backend._run(tx, backend.sql.delete_keys(batch), commit=False)
+            deleted += sum(int(n) for n in done)
         backend._run(tx, [], commit=True)
     except BaseException:
         backend._rollback(tx)

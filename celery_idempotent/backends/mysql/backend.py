@@ -18,18 +18,21 @@ from celery_idempotent.backends.mysql.connections import (
     PyMySQLTransactions,
     connect_args,
     import_pymysql,
+    in_transaction,
+    socket_alive,
 )
 from celery_idempotent.backends.mysql.sql import (
     FENCED,
     LOCK_ERRORS,
     MAX_KEY,
+    SAVEPOINT_GONE,
     Statements,
     error_code,
     lock_seconds,
     quote_table,
 )
 from celery_idempotent.backends.postgres.backend import PostgresBackend
-from celery_idempotent.backends.postgres.connections import split_url
+from celery_idempotent.backends.postgres.connections import ended_by_body, split_url
 from celery_idempotent.backends.postgres.sql import decode_row, record_columns
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
@@ -113,8 +116,16 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
         """``innodb_lock_wait_timeout`` of a claim (``lock_timeout`` in whole seconds)."""
         return lock_seconds(self.lock_timeout)
 
-    def _row(self, name: str) -> str:
-        row = super()._row(name)
+    def _row(self, key: str) -> str:  # type: ignore[override]
+        """The row of a record key (as on PostgreSQL), at most :data:`MAX_KEY` characters."""
+        return self._short(PostgresBackend._row(key))
+
+    def _lock_row(self, resource: str) -> str:  # type: ignore[override]
+        """The row of a lock resource (as on PostgreSQL), at most :data:`MAX_KEY` characters."""
+        return self._short(PostgresBackend._lock_row(resource))
+
+    @staticmethod
+    def _short(row: str) -> str:
         if len(row) > MAX_KEY:
             raise ValueError(
                 f"the MySQL backend keeps keys of at most {MAX_KEY} characters (the table's "
@@ -134,6 +145,7 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             (self.sql.drop, ()),
             (self.sql.select, (row,)),
             (self.sql.wait_reset, ()),
+            (self.sql.mark, ()),
         ]
 
     def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
@@ -157,7 +169,7 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
 
     def is_locked(self, resource: str) -> bool:
         """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
-        row = self._row(resource)
+        row = self._lock_row(resource)
         try:
             tx, _ = self._begin(row, [(self.sql.probe, (row,))])
         except Exception as exc:
@@ -222,12 +234,22 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             except ConnectionError:
                 self._unconfirmed[lease.token] = pending
                 raise
+        ended = self._ended(tx)
+        if ended is not None:
+            self.release(lease)
+            raise ended_by_body(aborted=ended)
         if not self._alive(tx):
             self.release(lease)
             return False
         params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
+        tx.lent = transactions.lent(lease.token)
+        statements = [
+            (self.sql.unmark, ()),
+            (self.sql.commit, params),
+            (self.sql.fenced, ()),
+        ]
         try:
-            self._run(tx, [(self.sql.commit, params), (self.sql.fenced, ())], commit=True)
+            self._run(tx, statements, commit=True)
         except ConnectionError:
             self._forget(lease, tx)  # the verification runs on another connection
             self._unconfirmed[lease.token] = tx.pid
@@ -237,11 +259,22 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             self._rollback(tx)
             if error_code(exc) == FENCED:
                 return False  # the row is not this lease's: nothing committed
+            if error_code(exc) == SAVEPOINT_GONE:
+                raise ended_by_body(aborted=False) from exc
             raise
         self._forget(lease, tx)
         self._finish(tx)
         self._maybe_cleanup()
         return True
+
+    def _ended(self, tx: Any) -> bool | None:  # type: ignore[override]
+        """Whether the body ended the guard's transaction (no I/O): the connection is up,
+        but the server's last reply said no transaction is open (a COMMIT, ROLLBACK, or a
+        statement that commits implicitly: DDL, LOCK TABLES, ...)."""
+        conn = tx.conn
+        if not getattr(conn, "open", False) or not socket_alive(getattr(conn, "_sock", None)):
+            return None  # lost: not the body's doing
+        return False if not in_transaction(conn) else None
 
     def cleanup(self, limit: int | None = None) -> int:
         """Delete at most ``limit`` (``cleanup_batch``) expired rows, oldest first, skipping
@@ -251,8 +284,8 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
         keys = [k for (k,) in results[0]]
         try:
             if keys:
-                deleted = self._run(tx, [(self.sql.delete_keys(len(keys)), keys)], commit=True)
-                count = int(deleted[0])
+                deleted = self._run(tx, self.sql.delete_keys(keys), commit=True)
+                count = sum(int(n) for n in deleted)
             else:
                 count = 0
         except BaseException:

@@ -33,6 +33,8 @@ __all__ = [
     "connect_args",
     "guarded_connection_class",
     "import_pymysql",
+    "in_transaction",
+    "socket_alive",
 ]
 
 log = logging.getLogger("celery_idempotent")

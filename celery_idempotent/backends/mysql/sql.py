@@ -11,6 +11,7 @@ Every timestamp is the server's ``UTC_TIMESTAMP(6)``: it does not depend on a se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from celery_idempotent.backends.postgres.sql import DEFAULT_TABLE, check_table
@@ -20,6 +21,7 @@ __all__ = [
     "FENCED",
     "LOCK_ERRORS",
     "MAX_KEY",
+    "SAVEPOINT_GONE",
     "Statements",
     "check_table",
     "ddl",
@@ -37,6 +39,10 @@ LOCK_ERRORS = frozenset({1205, 3572, 1213})
 #: ``Result consisted of more than one row``: raised on purpose by
 #: :attr:`Statements.fenced` when the commit's UPDATE found no row of this lease.
 FENCED = 1172
+#: ``SAVEPOINT does not exist``: the claim's savepoint (:attr:`Statements.mark`) is gone, so
+#: the guard's transaction ended inside the body (a raw COMMIT, ROLLBACK or DDL, and maybe a
+#: new BEGIN): the commit is refused.
+SAVEPOINT_GONE = 1305
 #: Where an expired or never-written row's ``expires_at`` points (DATETIME's first year).
 PAST = "1000-01-01 00:00:00"
 
@@ -148,6 +154,12 @@ class Statements:
         )
         # Lock only (LockProvider.acquire): the row whatever it holds.
         self.lock = f"UPDATE {t} SET fencing_token = LAST_INSERT_ID() WHERE `key` = %s"
+        # The claim's mark in its transaction: a savepoint lives only as long as the
+        # transaction, so the commit's RELEASE of it fails when the body ended the guard's
+        # transaction and began another ("COMMIT; BEGIN": in a transaction again, the status
+        # flag alone cannot tell). It runs first, before the UPDATE could wait on a row lock.
+        self.mark = "SAVEPOINT celery_idempotent_claim"
+        self.unmark = "RELEASE SAVEPOINT celery_idempotent_claim"
         self.token = "SELECT LAST_INSERT_ID()"  # noqa: S105 - SQL, not a password
         self.select = (
             f"SELECT {fields} FROM {t} WHERE `key` = %s AND state = 'completed' "
@@ -193,7 +205,8 @@ class Statements:
         )
         self.exists_params: tuple[Any, ...] = (self.schema, name, name + "_fencing")
 
-    def delete_keys(self, count: int) -> str:
-        """``DELETE`` of ``count`` keys (``%s`` each), for the sweep's second step."""
-        marks = ", ".join(["%s"] * count)
-        return f"DELETE FROM {quote_table(self.table)} WHERE `key` IN ({marks})"
+    def delete_keys(self, keys: Sequence[str]) -> list[tuple[str, tuple[str]]]:
+        """One ``DELETE`` by primary key per key (the sweep's second step): ``key IN (...)``
+        may be planned as a scan on a small table, which would wait on the rows a running
+        claim holds; a primary-key lookup touches only its own row, locked by us already."""
+        return [(self.delete_any, (key,)) for key in keys]
