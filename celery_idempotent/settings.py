@@ -123,7 +123,7 @@ class IdempotencySettings:
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
     #: (``LockAcquisitionError``), ``"ignore"`` (Celery ``Ignore``) or ``"reject"`` (Celery
     #: ``Reject(requeue=False)``: with ``task_acks_late``, a broker's dead-letter exchange takes the
-    #: duplicate).
+    #: duplicate; nothing is recorded under its task id, on Celery 5.7 too).
     idempotency_on_locked: str = setting("retry", one_of(ON_LOCKED_POLICIES))
     #: what ``apply_async``/``delay`` does with a call whose key is already completed, queued
     #: or running (one Redis round trip at publish): ``"existing"`` (publish nothing; return
