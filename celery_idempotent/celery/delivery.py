@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_idempotent import signals
 from celery_idempotent.celery import keys as task_keys
 from celery_idempotent.celery.factory import factory
 from celery_idempotent.celery.publish import drop_queued_marker, requeue_marker
@@ -24,6 +25,7 @@ from celery_idempotent.celery.results import (
 from celery_idempotent.core.exceptions import (
     IdempotencyConnectionError,
     IdempotencyKeyMissingError,
+    IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
 )
@@ -119,13 +121,26 @@ def run(
         if body.started and not _requeued(task, exc):
             drop_queued_marker(task, guard, prepared.key)
         raise
-    except BaseException:
+    except BaseException as exc:
+        _signal_failure(task, prepared.key, exc, where="worker")
         if body.started:  # the body failed for good: its queued marker ends with it
             drop_queued_marker(task, guard, prepared.key)
         raise
     finally:
         _running.reset(token)
     return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+def _signal_failure(task: Any, key: str, exc: BaseException, *, where: str) -> None:
+    """``idempotency_mismatch_refused`` / ``idempotency_backend_unreachable`` for ``exc``."""
+    if isinstance(exc, IdempotencyMismatchError):
+        signals.idempotency_mismatch_refused.send(
+            sender=task, task_id=task.request.id, key=key, where=where
+        )
+    elif isinstance(exc, IdempotencyConnectionError):
+        signals.idempotency_backend_unreachable.send(
+            sender=task, task_id=task.request.id, key=key, where=where, error=exc
+        )
 
 
 class _Body:
@@ -221,6 +236,7 @@ def _outcome(
             # never answer (a wrong URL) would hang the caller.
             if body.started or cfg.idempotency_on_locked != "retry" or request.is_eager:
                 raise
+            _signal_failure(task, key, exc, where="worker")  # re-queued: the signal still says so
             log.warning(
                 "idempotency backend unreachable for %s[%s]; re-queueing: %s",
                 task.name,

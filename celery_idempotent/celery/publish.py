@@ -1,13 +1,15 @@
-"""The publish side: duplicates stopped at ``apply_async``, in one Redis round trip.
+"""The publish side: duplicates stopped at ``apply_async``, in one round trip.
 
 :func:`publish` is what ``IdempotentTask.apply_async`` does: it computes the key as the
-worker will, asks the store (``check_publish``) whether the key is completed, queued or
-running, and either returns a result object without publishing or sets a "queued" marker and
-publishes (removing the marker if the publish fails). With kombu's Redis transport the check
-runs where kombu pushes the message (:mod:`celery_idempotent.backends.redis.publish`): on the
-store's own Redis, the check, the marker and the push are one script, one round trip. The
-schedule slot (``idempotency_window``) is stamped into the message's headers here. The worker
-ends the marker of a body that failed for good with :func:`drop_queued_marker`.
+worker will, asks the store (``check_publish``, the
+:class:`~celery_idempotent.core.protocols.ChecksPublishes` capability: Redis and
+PostgreSQL) whether the key is completed, queued or running, and either returns a result
+object without publishing or sets a "queued" marker and publishes (removing the marker if
+the publish fails). With kombu's Redis transport the check runs where kombu pushes the
+message (:mod:`celery_idempotent.backends.redis.publish`): on the store's own Redis, the
+check, the marker and the push are one script, one round trip. The schedule slot
+(``idempotency_window``) is stamped into the message's headers here. The worker ends the
+marker of a body that failed for good with :func:`drop_queued_marker`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from celery.utils import uuid
 
 from celery_idempotent import keyspace, signals
 from celery_idempotent.backends.redis import publish as publish_redis
-from celery_idempotent.backends.redis.store import PublishDecision, RedisIdempotencyStore
+from celery_idempotent.backends.redis.store import RedisIdempotencyStore
 from celery_idempotent.celery import call_options
+from celery_idempotent.celery.checks import _checked as checked_apps
+from celery_idempotent.celery.checks import at_first_publish
 from celery_idempotent.celery.factory import factory
 from celery_idempotent.celery.keys import SLOT_HEADER, eta_seconds, prepare_call, received_or_none
 from celery_idempotent.celery.requeue import REQUEUE_HEADER
@@ -38,13 +42,14 @@ from celery_idempotent.core.exceptions import (
     IdempotencyMismatchError,
 )
 from celery_idempotent.core.fingerprint import key_digest
+from celery_idempotent.core.protocols import ChecksPublishes, PublishDecision
 
 if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
     from celery_idempotent.core.guard import DistributedIdempotencyGuard
     from celery_idempotent.settings import IdempotencySettings
 
-__all__ = ["drop_queued_marker", "publish", "requeue_marker"]
+__all__ = ["drop_queued_marker", "publish", "publish_checker", "requeue_marker"]
 
 log = logging.getLogger("celery_idempotent")
 
@@ -60,7 +65,7 @@ Send = Callable[[Any, dict[str, Any], Any], Any]
 class _Check(NamedTuple):
     """The publish-side check of one call, not made yet."""
 
-    store: RedisIdempotencyStore
+    store: ChecksPublishes
     record: str
     lock: str
     key: str
@@ -92,6 +97,8 @@ def publish(
 ) -> Any:
     """Publish a call of ``task`` unless it is a duplicate (see ``IdempotentTask.apply_async``):
     ``send(task_id, options, producer)`` publishes it (``producer``: the caller's or ``None``)."""
+    if task.app not in checked_apps:
+        at_first_publish(task.app)
     options = dict(options)
     # Every idempotency_* option of this call: taken (checked) or a TypeError naming it.
     call = call_options.take(task.name, options)
@@ -107,7 +114,11 @@ def publish(
         return plan.result
     if plan.check is None or plan.task_id is None:
         return send(plan.task_id or task_id, options, producer)
-    if _through_redis_broker(task.app, options, producer) and publish_redis.install():
+    if (
+        publish_redis.travels_with_push(plan.check.store)
+        and _through_redis_broker(task.app, options, producer)
+        and publish_redis.install()
+    ):
         return _checked_publish(
             task, plan.task_id, plan.check, options, send=send, producer=producer
         )
@@ -133,8 +144,11 @@ def _checked_publish(
 ) -> Any:
     """Publish through kombu's Redis transport with the check where kombu pushes the message
     (``publish_redis``): one round trip for both when the broker is the store's Redis."""
+    store = check.store
+    if not isinstance(store, RedisIdempotencyStore):  # pragma: no cover - travels_with_push
+        raise TypeError(f"{type(store).__name__} cannot travel with kombu's Redis push")
     pending = publish_redis.Pending(
-        check.store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+        store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
     )
     token = publish_redis.arm(pending)
     stopped = False
@@ -178,14 +192,17 @@ def _checked_publish(
 
 
 def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision | None:
-    """The store's decision (one round trip); ``None``: Redis unreachable, publish unchecked."""
+    """The store's decision (one round trip); ``None``: backend unreachable, publish unchecked."""
     try:
         return check.store.check_publish(
             check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
         )
     except IdempotencyConnectionError as exc:
+        signals.idempotency_backend_unreachable.send(
+            sender=task, task_id=task_id, key=check.key, where="publish", error=exc
+        )
         # Publishing without the check is safe: the worker's guard still decides.
-        log.warning("publish-side check of %s skipped, Redis unreachable: %s", task.name, exc)
+        log.warning("publish-side check of %s skipped, backend unreachable: %s", task.name, exc)
         return None
 
 
@@ -296,8 +313,8 @@ def _plan_publish(
         return _PublishPlan(task_id=task_id)
     key, _, fingerprint = prepared
     guard = factory.guard(task, base)
-    store = guard.store
-    if not isinstance(store, RedisIdempotencyStore):
+    store = publish_checker(guard.store)
+    if store is None:  # the run-time guard decides alone
         return _PublishPlan(task_id=task_id)
     check = _Check(
         store,
@@ -322,12 +339,26 @@ def _delay_of(options: dict[str, Any]) -> float:
     return max(0.0, eta - time.time()) if eta is not None else 0.0
 
 
+def publish_checker(store: Any) -> ChecksPublishes | None:
+    """``store`` when it has the :class:`ChecksPublishes` capability (and, when it says
+    whether it can with ``checks_publishes()``, says yes), else ``None``."""
+    if not isinstance(store, ChecksPublishes):
+        return None
+    able = getattr(store, "checks_publishes", None)
+    if callable(able) and not able():
+        return None
+    return store
+
+
 def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecision) -> Any:
     """The result object for a publish of a key that is completed, queued or running, or
     :class:`IdempotencyMismatchError` / :class:`DuplicatePublishError`."""
     key, fingerprint, policy = check.key, check.fingerprint, check.policy
     stored = found.stored_fingerprint
     if fingerprint is not None and stored is not None and stored != fingerprint:
+        signals.idempotency_mismatch_refused.send(
+            sender=task, task_id=found.task_id, key=key, where="publish"
+        )
         raise IdempotencyMismatchError(key, stored, fingerprint)
     first = found.task_id
     signals.idempotency_publish_stopped.send(
@@ -364,14 +395,17 @@ def drop_queued_marker(
     """End the queued marker of ``task_id`` (default: the delivery running now), whose message
     will not run: its body failed for good, raised ``Ignore`` or ``Reject(requeue=False)``, or
     a worker discarded it (revoked, expired). ``unless_running``: keep a marker that a
-    delivery claimed while that delivery's lease is valid."""
-    store = guard.store
+    delivery claimed while that delivery's lease is valid (Redis)."""
+    store = publish_checker(guard.store)
     task_id = task.request.id if task_id is None else task_id
-    if not isinstance(store, RedisIdempotencyStore) or task_id is None:
+    if store is None or task_id is None:
         return
-    lock = guard.lock_resource(key) if unless_running else None
     try:
-        store.drop_queued(guard.record_key(key), str(task_id), lock=lock)
+        if isinstance(store, RedisIdempotencyStore):
+            lock = guard.lock_resource(key) if unless_running else None
+            store.drop_queued(guard.record_key(key), str(task_id), lock=lock)
+        else:
+            store.drop_queued(guard.record_key(key), str(task_id))
     except Exception as exc:  # a claimed marker is dead with its lease; else publish_ttl
         log.warning("could not end the queued marker of %s[%s]: %r", task.name, task_id, exc)
 
@@ -381,12 +415,14 @@ def requeue_marker(
 ) -> None:
     """The running delivery's message went back to the queue (a published retry,
     ``Reject(requeue=True)``): its claimed marker is queued again, for
-    ``idempotency_publish_ttl`` (SPEC §8: a re-submission gets the queued call)."""
+    ``idempotency_publish_ttl`` (SPEC §8: a re-submission gets the queued call). A store
+    without markers that live by their lease (no ``requeue_marker``) has nothing to do."""
     store = guard.store
     task_id = task.request.id
-    if not isinstance(store, RedisIdempotencyStore) or task_id is None:
+    requeue = getattr(store, "requeue_marker", None)
+    if not callable(requeue) or task_id is None:
         return
     try:
-        store.requeue_marker(guard.record_key(key), str(task_id), cfg.idempotency_publish_ttl)
+        requeue(guard.record_key(key), str(task_id), cfg.idempotency_publish_ttl)
     except Exception as exc:  # the key is then free once the lease ends: an extra message
         log.warning("could not re-queue the marker of %s[%s]: %r", task.name, task_id, exc)

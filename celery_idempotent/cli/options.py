@@ -85,6 +85,7 @@ class KeySelection:
     task_id: str | None = None
     args_json: str | None = None
     kwargs_json: str | None = None
+    any_task: bool = False
 
     @property
     def names_a_key(self) -> bool:
@@ -129,6 +130,17 @@ def batch_size_option(help: str) -> Callable[[F], F]:
     )
 
 
+def any_task_option(f: F) -> F:
+    """``--any-task``: take ``--task NAME`` as a bare key namespace even when the app defines
+    no idempotent task of that name (without it such a name exits with status 2)."""
+    return click.option(
+        "--any-task",
+        is_flag=True,
+        help="Accept a --task name the app does not define (keys of a removed task, or made "
+        "by a guard directly); without it such a name is an error (exit status 2).",
+    )(f)
+
+
 def key_options(f: F) -> F:
     """KEY, ``--task``, ``--raw``, ``--task-id``, ``--args`` and ``--kwargs``, handed to the
     command as one ``selection`` (a :class:`KeySelection`)."""
@@ -142,9 +154,10 @@ def key_options(f: F) -> F:
         task_id: str | None = None,
         args_json: str | None = None,
         kwargs_json: str | None = None,
+        any_task: bool = False,
         **kwargs: Any,
     ) -> Any:
-        selection = KeySelection(key, task_name, raw, task_id, args_json, kwargs_json)
+        selection = KeySelection(key, task_name, raw, task_id, args_json, kwargs_json, any_task)
         return f(*args, selection=selection, **kwargs)
 
     g: Any = collect
@@ -170,6 +183,7 @@ def key_options(f: F) -> F:
         help="KEY is a namespaced key (<task>:args:<sha>, <task>:id:<id>, <task>:key:<key>) "
         "or a Redis name (<prefix>{...}).",
     )(g)
+    g = any_task_option(g)
     g = click.option(
         "--task",
         "task_name",

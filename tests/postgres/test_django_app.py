@@ -130,3 +130,38 @@ def test_a_table_the_backend_created_at_first_use_is_adopted(app_db: str) -> Non
     with psycopg.connect(app_db, autocommit=True) as conn:
         kept = conn.execute(f"SELECT key FROM {TABLE}").fetchall()
     assert kept == [("idempotency:{t:key:kept}",)]
+
+
+PUBLISH_32 = """
+from django.db import connection, transaction
+from appproj.celery import app, charge
+from celery_idempotent import DuplicatePublishError
+
+ids = {charge.delay("o-32").id for _ in range(32)}
+with app.connection_for_write() as conn:
+    waiting = conn.default_channel.queue_declare("celery", passive=True).message_count
+print("ids", len(ids), "messages", waiting)
+try:
+    charge.apply_async(("o-32",), idempotency_on_duplicate_publish="raise")
+except DuplicatePublishError as exc:
+    print("raised", exc.task_id in ids)
+with transaction.atomic():
+    with connection.cursor() as cur:
+        cur.execute("SET LOCAL lock_timeout = '7s'")
+    charge.delay("o-33")
+    with connection.cursor() as cur:
+        cur.execute("SHOW lock_timeout")
+        print("lock_timeout", cur.fetchone()[0])
+"""
+
+
+def test_django_stops_duplicates_at_publish(app_db: str) -> None:
+    # Issue 25: on django:// all 32 duplicate messages were published.
+    manage(app_db, "migrate", "--noinput")
+    done = run(app_db, "-c", PUBLISH_32)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines == ["ids 1 messages 1", "raised True", "lock_timeout 7s"], done.stdout
+    with psycopg.connect(app_db, autocommit=True) as conn:
+        rows = conn.execute(f"SELECT key, state FROM {TABLE} ORDER BY key").fetchall()
+    assert [state for _, state in rows] == ["queued", "queued"]

@@ -29,6 +29,7 @@ from celery_idempotent.backends.postgres.sql import (
     ENDED_MARK,
     INVALID_TEXT_REPRESENTATION,
     LOCK_NOT_AVAILABLE,
+    PUBLISH_PARAMS,
     Statements,
     check_table,
     decode_row,
@@ -37,8 +38,8 @@ from celery_idempotent.backends.postgres.sql import (
     record_columns,
 )
 from celery_idempotent.core.codec import ResultCodec
-from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.core.exceptions import IdempotencyConnectionError, IdempotencyKeyHeldError
+from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
 from celery_idempotent.core.validate import check_duration
 from celery_idempotent.urls import redact
 
@@ -254,6 +255,98 @@ class PostgresBackend(PsycopgTransactions):
             raise
         return bool(done[1])
 
+    # -- publish side (ChecksPublishes) --------------------------------------------------------
+
+    def checks_publishes(self) -> bool:
+        """Whether this backend's SQL has the publish-side statement (a subclass on another
+        dialect without it, MySQL's, leaves every publish to the run-time guard)."""
+        return hasattr(self.sql, "publish")
+
+    def check_publish(
+        self, record: str, lock: str, task_id: str, fingerprint: str | None, publish_ttl: float
+    ) -> PublishDecision:
+        """Decide a publish of ``task_id`` in one statement (one round trip): the key's row
+        holds a live record (``completed``), a live queued marker of another call
+        (``queued``, or ``mismatch`` under another fingerprint; also while that call runs,
+        as a running delivery's row shows its marker to other sessions until it commits), or
+        neither: then the marker is set and the answer is ``publish``. A row that a running
+        delivery holds without a marker (it was published unchecked) and an insert that
+        waited past ``lock_timeout`` are ``publish`` unchecked: the guard decides at run
+        time. ``lock`` names the same row. See :attr:`Statements.publish`."""
+        ttl = check_duration("publish_ttl", publish_ttl)
+        row = self._row(record)
+        values = {
+            "wait": f"{max(1, round(self.lock_timeout * 1000))}ms",
+            "sync": "off",  # a transaction of its own (see Statements.publish)
+            "key": row,
+            "tid": str(task_id),
+            "fp": fingerprint,
+            "now": time.time(),
+            "ttl": ttl,
+        }
+        params = tuple(values[name] for name in PUBLISH_PARAMS)
+        for _ in range(3):  # a concurrent publisher or commit won between read and insert
+            try:
+                found = self._publish_statement(params)
+            except Exception as exc:
+                if is_pg_error(exc, LOCK_NOT_AVAILABLE):
+                    return PublishDecision("publish", unchecked=True)
+                if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
+                    raise IdempotencyConnectionError(record, f"publish check: {exc}") from exc
+                raise
+            decision = self._publish_decision(row, fingerprint, found[0])
+            if decision is not None:
+                return decision
+        return PublishDecision("publish", unchecked=True)
+
+    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+        """The statement in a transaction of its own (one flight)."""
+        result: list[Any] = self.autocommit([(self.sql.publish, params)])[0]
+        return result
+
+    def _publish_decision(
+        self, row: str, fingerprint: str | None, found: Sequence[Any]
+    ) -> PublishDecision | None:
+        decided, written = found[0], int(found[1])
+        state, stored_fp, ctype, encoding, data, created_at, fence = found[2:9]
+        if decided == "completed":
+            stored = decode_row(
+                self.codec, row, (state, stored_fp, ctype, encoding, data, created_at, fence)
+            )
+            return PublishDecision("completed", None, stored, stored.fingerprint)
+        if decided == "own":
+            return PublishDecision("publish")
+        if decided == "queued":
+            first = bytes(data).decode("utf-8", "replace") if data is not None else None
+            if fingerprint and stored_fp and stored_fp != fingerprint:
+                return PublishDecision("mismatch", first, None, stored_fp)
+            return PublishDecision("queued", first)
+        if decided == "running":
+            return PublishDecision("publish", unchecked=True)
+        return PublishDecision("publish") if written else None
+
+    def queued_marker(self, record: str) -> tuple[str, float] | None:
+        """``(task id, seconds left)`` of ``record``'s live queued marker, else ``None``."""
+        if not self.checks_publishes():
+            return None
+        rows = self.autocommit([(self.sql.queued, (self._row(record),))])[0]
+        if not rows:
+            return None
+        data, ttl = rows[0]
+        return bytes(data).decode("utf-8", "replace"), float(ttl)
+
+    def drop_queued(self, record: str, task_id: str) -> bool:
+        """Delete ``task_id``'s queued marker row of ``record``; ``False`` when the row holds
+        something else (a record committed since, another call's marker) or is gone."""
+        row = self._row(record)
+        try:
+            done = self.autocommit([(self.sql.drop_queued, (row, str(task_id)))])
+        except Exception as exc:
+            if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
+                raise IdempotencyConnectionError(record, f"queued marker delete: {exc}") from exc
+            raise
+        return bool(done[0])
+
     def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
         """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
         return self if lock_provider is self else None
@@ -361,6 +454,11 @@ class PostgresBackend(PsycopgTransactions):
         rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
         n = self.cleanup_batch if limit is None else limit
         return int(self.autocommit([(self.sql.cleanup, (n,))])[0])
+
+
+def _is_operational(exc: BaseException) -> bool:
+    """A driver's "the server or the connection failed" (psycopg's or Django's)."""
+    return any(cls.__name__ in ("OperationalError", "InterfaceError") for cls in type(exc).__mro__)
 
 
 def _jitter() -> float:
