@@ -23,8 +23,10 @@ Without a Docker daemon every test here skips with a reason that says how to run
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -273,13 +275,35 @@ def idempotency_settings(url: str) -> dict[str, Any]:
     }
 
 
+#: The idempotency store's name on the store network (the worker's ``idempotency_url``).
+STORE_ALIAS = "idempotency-store"
+
+
 @pytest.fixture
-def idempotency_urls(default_redis_backend: RedisContainer) -> dict[str, str]:
+def store_network(docker_client: Any, default_redis_backend: RedisContainer) -> Iterator[Any]:
+    """A network of the worker and the Redis that holds the keys, and nothing else: cutting it
+    (:func:`partition`) parts the worker from its store while its broker stays connected.
+    ``internal``: no route out of it."""
+    network = docker_client.networks.create(
+        f"cidem-store-{uuid.uuid4().hex[:8]}", driver="bridge", internal=True
+    )
+    network.connect(default_redis_backend.name, aliases=[STORE_ALIAS])
+    try:
+        yield network
+    finally:
+        network.reload()
+        for member in network.containers:
+            network.disconnect(member, force=True)
+        network.remove()
+
+
+@pytest.fixture
+def idempotency_urls(default_redis_backend: RedisContainer, store_network: Any) -> dict[str, str]:
     """The idempotency store (database 1 of the backend container): as the test process reaches
-    it (the port published on loopback) and as the worker does (the container's name)."""
+    it (the port published on loopback) and as the worker does (over the store network)."""
     return {
         "host": f"redis://127.0.0.1:{default_redis_backend.port}/1",
-        "worker": f"redis://{default_redis_backend.hostname}:6379/1",
+        "worker": f"redis://{STORE_ALIAS}:6379/1",
     }
 
 
@@ -310,10 +334,14 @@ def celery_setup_worker(
     default_worker_cls: type[CeleryTestWorker],
     default_worker_container: CeleryWorkerContainer,
     celery_setup_app: Celery,
+    store_network: Any,
 ) -> Iterator[CeleryTestWorker]:
     # pytest-celery hands the worker node the app written into the container; the test process
-    # needs one that reaches the containers through their published ports instead.
+    # needs one that reaches the containers through their published ports instead. The worker
+    # joins the store network here (pytest-docker-tools starts a container on one network);
+    # until then its start-up check cannot reach the store, which only costs a log line.
     worker = default_worker_cls(container=default_worker_container, app=celery_setup_app)
+    store_network.connect(default_worker_container.name)
     yield worker
     worker.teardown()
 
@@ -343,3 +371,13 @@ def assert_never_overlapping(marks: list[tuple[str, str, int, float]]) -> None:
             running[token] = 1
         else:
             running[token] = 0
+
+
+@contextlib.contextmanager
+def partition(network: Any, node: Any) -> Iterator[None]:
+    """``docker network disconnect`` ``node`` from ``network``, and connect it again on exit."""
+    network.disconnect(node.name, force=True)
+    try:
+        yield
+    finally:
+        network.connect(node.name)

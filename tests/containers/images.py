@@ -426,7 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--distro", action="append", choices=sorted(DISTROS), help="default: all of them"
     )
     build.add_argument("--json", action="store_true", help="print tags and timings as JSON")
+    matrix = sub.add_parser("matrix", help="run the core subset in every Python x server cell")
+    matrix.add_argument("--cell", action="append", help="PYTHON:SERVER, e.g. 3.11:redis-7.0")
+    matrix.add_argument("--report", type=Path, help="write the cells' results there (JSON)")
     args = parser.parse_args(argv)
+    if args.command == "matrix":
+        from tests.containers import matrix as cells
+
+        chosen = [tuple(cell.split(":", 1)) for cell in args.cell] if args.cell else None
+        return cells.main(chosen, args.report)  # type: ignore[arg-type]
     start = time.monotonic()
     images = ensure(args.distro or list(DISTROS))
     images.timings["total"] = round(time.monotonic() - start, 1)

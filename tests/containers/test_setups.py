@@ -4,6 +4,9 @@ Each test runs on both setups (``celery_broker``: Redis broker, RabbitMQ broker;
 backend holds Celery's results and, in its database 1, the idempotency keys). Executions are
 counted from the worker's ``docker logs`` (``worker_tasks.py``), which outlive kills, restarts
 and partitions.
+
+The fault tests (``docker_faults``: kill, restart, partitions; about 4 minutes) are deselected
+by default: ``pytest -m docker_faults tests/containers`` runs them, as ``.ci/run`` does.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests.containers.conftest import LOCK_TTL, assert_never_overlapping, body_marks
+from tests.containers.conftest import (
+    LOCK_TTL,
+    assert_never_overlapping,
+    body_marks,
+    partition,
+)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -67,6 +75,7 @@ def test_duplicates_and_redeliveries_run_once(celery_setup: Any) -> None:
     assert _ends(celery_setup, other) == 1
 
 
+@pytest.mark.docker_faults
 def test_a_killed_worker_s_message_is_redelivered_and_runs_once(celery_setup: Any) -> None:
     token = _token()
     worker = celery_setup.worker
@@ -95,6 +104,7 @@ def test_a_killed_worker_s_message_is_redelivered_and_runs_once(celery_setup: An
     assert LOCK_TTL < 30.0
 
 
+@pytest.mark.docker_faults
 def test_a_redis_restart_mid_run_never_reruns_a_committed_key(celery_setup: Any) -> None:
     """AOF on, fsync always: what was committed before the restart is still there after it."""
     committed = [_token() for _ in range(4)]
@@ -122,7 +132,7 @@ def test_a_redis_restart_mid_run_never_reruns_a_committed_key(celery_setup: Any)
     for result in in_flight:
         try:
             result.get(timeout=120, propagate=False)
-        except Exception as exc:  # noqa: BLE001  (a result lost with the restart: named below)
+        except Exception as exc:
             raise AssertionError(f"{result.id}: no outcome after the restart: {exc!r}") from exc
     for token in running:
         after = _send(celery_setup, token, 3.0).get(timeout=120)
@@ -133,3 +143,47 @@ def test_a_redis_restart_mid_run_never_reruns_a_committed_key(celery_setup: Any)
         # ... and once it is committed, it replays.
         assert _send(celery_setup, token, 3.0).get(timeout=60) == after
         assert body_marks(celery_setup.worker.logs(), token=token) == marks
+
+
+@pytest.mark.docker_faults
+def test_a_partition_shorter_than_the_lease_keeps_it(celery_setup: Any, store_network: Any) -> None:
+    """Cut for about a third of ``lock_ttl``: one renewal may fail, the next one gets through
+    (docs/concepts/leases.md: two renewals can fail in a row before the lease runs out)."""
+    token = _token()
+    first = _send(celery_setup, token, 4.0)
+    _wait_for(lambda: body_marks(celery_setup.worker.logs(), token=token), 60, "the body")
+    with partition(store_network, celery_setup.worker.container):
+        time.sleep(LOCK_TTL / 3)
+    duplicate = _send(celery_setup, token, 4.0)
+    value = first.get(timeout=60)
+    assert value.startswith(f"done {token} by ")
+    assert duplicate.get(timeout=60) == value  # waited for the lease, then replayed
+    marks = body_marks(celery_setup.worker.logs(), token=token)
+    assert [mark[0] for mark in marks] == ["start", "end"], marks
+
+
+@pytest.mark.docker_faults
+def test_a_partition_longer_than_the_lease_loses_it_and_nothing_else(
+    celery_setup: Any, store_network: Any
+) -> None:
+    """Cut for twice ``lock_ttl`` while the body runs: the lease runs out, the body's commit is
+    refused (``LockLostError``, as the docs say), the key is free again, and the call is run
+    by the next delivery: after the stale body ended, never alongside it; nothing is lost."""
+    token = _token()
+    first = _send(celery_setup, token, 2.0)
+    worker = celery_setup.worker
+    _wait_for(lambda: body_marks(worker.logs(), token=token), 60, "the body")
+    with partition(store_network, worker.container):
+        time.sleep(2 * LOCK_TTL)
+        # While cut off, a duplicate arrives; it cannot claim the key until the store is back.
+        duplicate = _send(celery_setup, token, 2.0)
+    outcome = first.get(timeout=60, propagate=False)
+    assert first.state == "FAILURE", (first.state, outcome)
+    assert type(outcome).__name__ == "LockLostError", repr(outcome)
+    value = duplicate.get(timeout=60)
+    assert value.startswith(f"done {token} by ")
+    marks = body_marks(worker.logs(), token=token)
+    assert [mark[0] for mark in marks] == ["start", "end", "start", "end"], marks
+    assert_never_overlapping(marks)
+    assert _send(celery_setup, token, 2.0).get(timeout=60) == value
+    assert body_marks(worker.logs(), token=token) == marks

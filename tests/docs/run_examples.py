@@ -9,7 +9,8 @@ Per page, in order and in one namespace (as a reader goes down the page):
 - a ```` ```python ```` block is executed, unless the line before it is
   ``<!-- example: not run (the reason) -->``;
 - a block made only of ``--8<-- "path"`` lines (pymdownx.snippets includes) is not executed
-  here: it must name files of the sample project, which ``tests/plugin`` runs;
+  here: it must name files of a sample project the suite runs (``tests/plugin`` runs the
+  plugin's, ``tests/containers/example`` is pytest-celery's container example);
 - ``<!-- example-setup`` ... ``-->`` is executed where it stands, hidden from the reader: what
   a block takes from the reader's own project (an ``app``, a stand-in for a payment gateway).
 """
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = "tests/plugin/sample_project/"
+# The sample projects the suite runs: the plugin's (tests/plugin) and pytest-celery's container
+# example (tests/containers/example).
+SAMPLE = ("tests/plugin/sample_project/", "tests/containers/example/")
 FENCE = re.compile(r"^```(\w*)[^\n]*$")
 NOT_RUN = re.compile(r"^<!-- example: not run \((.+)\) -->$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
