@@ -37,6 +37,7 @@ from celery_idempotent.core.guard import (
     GuardEvent,
     Outcome,
     current_lease,
+    require_lease,
 )
 from celery_idempotent.core.protocols import (
     AtomicBackend,
@@ -50,12 +51,13 @@ from celery_idempotent.transactions import current_connection
 
 if TYPE_CHECKING:
     from celery_idempotent.admin import IdempotencyStatus
+    from celery_idempotent.backends.mysql import MySQLBackend
     from celery_idempotent.backends.postgres import DjangoBackend, PostgresBackend
     from celery_idempotent.backends.redis.locks import RedisLockProvider
     from celery_idempotent.backends.redis.store import RedisIdempotencyStore
     from celery_idempotent.celery.task import IdempotentTask
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AtomicBackend",
@@ -83,6 +85,7 @@ __all__ = [
     "LockProvider",
     "MemoryIdempotencyStore",
     "MemoryLockProvider",
+    "MySQLBackend",
     "Outcome",
     "PostgresBackend",
     "RecordDecodeError",
@@ -93,6 +96,7 @@ __all__ = [
     "current_connection",
     "current_lease",
     "fingerprint_payload",
+    "require_lease",
 ]
 
 _LAZY = {
@@ -102,6 +106,7 @@ _LAZY = {
     "IdempotentTask": "celery_idempotent.celery.task",
     "PostgresBackend": "celery_idempotent.backends.postgres",
     "DjangoBackend": "celery_idempotent.backends.postgres",
+    "MySQLBackend": "celery_idempotent.backends.mysql",
 }
 
 
