@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_idempotent.backends.redis.store import RedisAtomicBackend, claims_end_marker
 from celery_idempotent.celery.publish import drop_queued_marker
 from celery_idempotent.celery.requeue import on_locked, requeue, wait_in_place
 from celery_idempotent.celery.results import (
@@ -70,9 +72,18 @@ def run(
     a stored failure raised again, for an eager caller the value as a replay gets it. A held
     key follows ``idempotency_on_locked`` (a re-queue raises ``Retry``)."""
     body = _Body(call_body, task, cfg.idempotency_store_errors)
+    started_ends = cfg.idempotency_publish_until == "started" and task.request.id is not None
+    claims: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if started_ends and ends_marker(guard):
+        # The claim that takes the lock ends this call's queued marker in the same script.
+        claims = claims_end_marker(str(task.request.id))
+    elif started_ends:
+        # A lock and store that claim apart: the marker ends as the body starts.
+        body.on_start = lambda: drop_queued_marker(task, guard, prepared.key)
     token = _running.set((guard, task.name, task.request.id))
     try:
-        outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
+        with claims:
+            outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
     except _CONTROL_FLOW:
         raise
     except BaseException:
@@ -81,7 +92,17 @@ def run(
         raise
     finally:
         _running.reset(token)
+    if not cfg.idempotency_ttl and not outcome.replayed and not ends_marker(guard):
+        # idempotency_ttl=0 through a lock and store that commit apart: no record replaced
+        # the queued marker, and no script ended it with the lease: end it here.
+        drop_queued_marker(task, guard, prepared.key)
     return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+def ends_marker(guard: DistributedIdempotencyGuard) -> bool:
+    """Whether ``guard``'s commit ends the delivery's queued marker itself (the Redis pair's
+    one script, ``END``, with ``idempotency_ttl=0``)."""
+    return isinstance(guard.backend, RedisAtomicBackend)
 
 
 class _Body:
@@ -99,9 +120,13 @@ class _Body:
         self.store_errors = store_errors
         self.started = False
         self.failed: BaseException | None = None
+        #: Called as the body starts (before it runs).
+        self.on_start: Callable[[], None] | None = None
 
     def __call__(self) -> Any:
         self.started = True
+        if self.on_start is not None:
+            self.on_start()
         if not self.store_errors:
             return self.call_body()
         try:

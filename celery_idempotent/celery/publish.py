@@ -66,6 +66,7 @@ class _Check(NamedTuple):
     fingerprint: str | None
     publish_ttl: float
     policy: str
+    until: str = "completed"
 
 
 class _PublishPlan(NamedTuple):
@@ -134,7 +135,13 @@ def _checked_publish(
     """Publish through kombu's Redis transport with the check where kombu pushes the message
     (``publish_redis``): one round trip for both when the broker is the store's Redis."""
     pending = publish_redis.Pending(
-        check.store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+        check.store,
+        check.record,
+        check.lock,
+        task_id,
+        check.fingerprint,
+        check.publish_ttl,
+        until=check.until,
     )
     token = publish_redis.arm(pending)
     stopped = False
@@ -181,7 +188,12 @@ def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision
     """The store's decision (one round trip); ``None``: Redis unreachable, publish unchecked."""
     try:
         return check.store.check_publish(
-            check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+            check.record,
+            check.lock,
+            task_id,
+            check.fingerprint,
+            check.publish_ttl,
+            until=check.until,
         )
     except IdempotencyConnectionError as exc:
         # Publishing without the check is safe: the worker's guard still decides.
@@ -300,6 +312,7 @@ def _plan_publish(
         fingerprint,
         cfg.idempotency_publish_ttl,
         policy,
+        cfg.idempotency_publish_until,
     )
     return _PublishPlan(task_id=task_id, check=check)
 
@@ -315,15 +328,16 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
     signals.idempotency_publish_stopped.send(
         sender=task, task_id=first, key=key, state=found.action
     )
+    state = found.state or ("completed" if found.action == "completed" else "queued")
     log.info(
         "duplicate publish of %s stopped: key=%s is %s (task %s)",
         task.name,
         key_digest(key),
-        found.action,
+        state,
         first,
     )
     if policy == "raise":
-        raise DuplicatePublishError(key, first)
+        raise DuplicatePublishError(key, first, state=state, ttl_left=found.ttl_left)
     if found.action == "queued":
         return task.AsyncResult(first)
     record = found.record

@@ -107,7 +107,9 @@ class AtomicBackend(Protocol):
     - ``claim``: if the lock is free and a record exists, return the record (no lease taken);
       if the lock is free and no record exists, take the lock; if the lock is held, neither.
     - ``commit``: store the record and release the lock, only while ``lease`` still holds it;
-      ``False`` (and nothing written) otherwise.
+      ``False`` (and nothing written) otherwise. ``ttl == 0`` (``idempotency_ttl=0``) stores
+      nothing: the commit proves the lease and releases the lock, so the key is free at once
+      (the next claim runs the body again); a resend after a lost reply still reports ``True``.
     """
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim: ...
