@@ -685,3 +685,14 @@ def test_sidekiq_reject_strategy_is_on_locked_reject(mig: ModuleType, worker: Wo
     assert first.get(timeout=TIMEOUT) == 1
     time.sleep(1.0)
     assert mig.count("reject_duplicate", t) == 1
+
+
+def test_sidekiq_uniqueness_is_across_queues(mig: ModuleType) -> None:
+    """sidekiq-unique-jobs: a job's digest includes its queue unless
+    ``unique_across_queues: true``. Ours: the key never includes the queue, so the same call
+    routed to another queue is the same call (a documented difference)."""
+    t = tag()
+    first = mig.once.apply_async((t,), queue=idle(mig))
+    with pytest.raises(DuplicatePublishError) as caught:
+        mig.once.apply_async((t,), queue=f"{idle(mig)}-other")
+    assert caught.value.task_id == first.id
