@@ -29,6 +29,7 @@ from celery_idempotent.core.exceptions import (
 )
 from celery_idempotent.core.fingerprint import key_digest
 from celery_idempotent.core.guard import ABSENT, DistributedIdempotencyGuard, Outcome
+from celery_idempotent.core.two_step import TwoStepBackend
 from celery_idempotent.settings import never_stored
 
 if TYPE_CHECKING:
@@ -76,10 +77,10 @@ def run(
     body = _Body(call_body, task, cfg.idempotency_store_errors)
     started_ends = cfg.idempotency_publish_until == "started" and task.request.id is not None
     claims: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if started_ends and ends_marker(guard):
+    if started_ends and isinstance(guard.backend, RedisAtomicBackend):
         # The claim that takes the lock ends this call's queued marker in the same script.
         claims = claims_end_marker(str(task.request.id))
-    elif started_ends:
+    elif started_ends and apart(guard):
         # A lock and store that claim apart: the marker ends as the body starts.
         body.on_start = lambda: drop_queued_marker(task, guard, prepared.key)
     token = _running.set((guard, task.name, task.request.id))
@@ -95,17 +96,18 @@ def run(
         raise
     finally:
         _running.reset(token)
-    if not cfg.idempotency_ttl and not outcome.replayed and not ends_marker(guard):
+    if not cfg.idempotency_ttl and not outcome.replayed and apart(guard):
         # idempotency_ttl=0 through a lock and store that commit apart: no record replaced
         # the queued marker, and no script ended it with the lease: end it here.
         drop_queued_marker(task, guard, prepared.key)
     return _handed_on(task, cfg, prepared.key, outcome, body.failed)
 
 
-def ends_marker(guard: DistributedIdempotencyGuard) -> bool:
-    """Whether ``guard``'s commit ends the delivery's queued marker itself (the Redis pair's
-    one script, ``END``, with ``idempotency_ttl=0``)."""
-    return isinstance(guard.backend, RedisAtomicBackend)
+def apart(guard: DistributedIdempotencyGuard) -> bool:
+    """Whether ``guard``'s lock provider and store claim and commit apart (a
+    ``TwoStepBackend``): a queued marker is then ended by the delivery, not by the backend's
+    own claim or commit (Redis: ``CLAIM``/``END``; PostgreSQL: the row the claim locks)."""
+    return isinstance(guard.backend, TwoStepBackend)
 
 
 def _signal_failure(task: Any, key: str, exc: BaseException, *, where: str) -> None:

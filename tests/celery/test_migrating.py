@@ -696,3 +696,32 @@ def test_sidekiq_uniqueness_is_across_queues(mig: ModuleType) -> None:
     with pytest.raises(DuplicatePublishError) as caught:
         mig.once.apply_async((t,), queue=f"{idle(mig)}-other")
     assert caught.value.task_id == first.id
+
+
+def test_a_periodic_task_with_ttl_zero_is_not_reported_as_collapsing() -> None:
+    """The worker's start-up check of a ``beat_schedule`` entry keyed by its arguments warns
+    that its runs collapse into replays for ``idempotency_ttl``; with ``0`` nothing is kept,
+    so each run after the last one ended runs: no warning."""
+    from celery_idempotent.celery.worker_start import check_beat_schedule
+
+    app = Celery("beatcheck", broker="memory://", set_as_current=False)
+    app.conf.idempotency_url = "memory://"
+    app.conf.beat_schedule = {
+        "kept": {"task": "beatcheck.kept", "schedule": 60.0},
+        "forgotten": {"task": "beatcheck.forgotten", "schedule": 60.0},
+    }
+
+    @app.task(base=IdempotentTask, shared=False, name="beatcheck.kept")
+    def kept() -> None:
+        """Remembered for a day: its hourly runs would replay."""
+
+    @app.task(base=IdempotentTask, shared=False, name="beatcheck.forgotten", idempotency_ttl=0)
+    def forgotten() -> None:
+        """Nothing kept."""
+
+    try:
+        messages = check_beat_schedule(app)
+    finally:
+        app.close()
+    assert len(messages) == 1
+    assert "beatcheck.kept" in messages[0]
