@@ -357,6 +357,7 @@ def forget_all(
         groups.setdefault(group, []).append(task)
         settings.setdefault(group, cfg)
     clients: dict[str, Any] = {}
+    owned: list[Any] = []  # clients made here from a URL (a configured client is the user's)
     done: list[NamespaceForgotten] = []
     try:
         for group, tasks in groups.items():
@@ -372,7 +373,7 @@ def forget_all(
                 )
                 continue
             if cfg.in_postgres:
-                done.append(_forget_postgres(app, cfg, base, dry_run=dry_run))
+                done.append(_forget_sql(app, cfg, base, dry_run=dry_run))
                 continue
             client = clients.get(where)
             if client is None:
@@ -380,6 +381,7 @@ def forget_all(
                     client = make_client_from(cfg.idempotency_client, task_name=names[0])
                 else:
                     client = redis_client.make_client(None, cfg.backend_url, "idempotency_url")
+                    owned.append(client)
                 clients[where] = client
             done.append(
                 _forget_redis(
@@ -393,17 +395,10 @@ def forget_all(
                 )
             )
     finally:
-        for each in clients.values():
-            if not isinstance(each, type) and hasattr(each, "close"):
-                with contextlib.suppress(Exception):
-                    if not _is_user_client(app, each):
-                        each.close()
+        for each in owned:
+            with contextlib.suppress(Exception):
+                each.close()
     return ForgottenAll(dry_run, tuple(done))
-
-
-def _is_user_client(app: Any, client: Any) -> bool:
-    """Whether ``client`` is a ready client the user configured (theirs to close)."""
-    return client is app.conf.get("idempotency_client")
 
 
 @dataclass(frozen=True)
@@ -450,10 +445,9 @@ def _forget_redis(
     )
 
 
-def _forget_postgres(
+def _forget_sql(
     app: Any, cfg: Any, base: NamespaceForgotten, *, dry_run: bool
 ) -> NamespaceForgotten:
-    from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
     from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415
 
     url: str = cfg.backend_url
@@ -463,9 +457,18 @@ def _forget_postgres(
         django.setup()
     conf = app.conf
     accept = list(conf.get("result_accept_content") or conf.get("accept_content") or ["json"])
-    backend = backend_from_url(url, accept=accept)
+    backend: Any = backend_from_url(url, accept=accept)
+    sql_admin: Any
+    if getattr(backend, "dialect", "postgresql") == "mysql":  # MySQL / MariaDB
+        from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415
+
+        sql_admin = mysql_admin
+    else:
+        from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
+
+        sql_admin = pg_admin
     try:
-        doc = pg_admin.forget_task(backend, base.prefix, base.namespace, dry_run=dry_run)
+        doc = sql_admin.forget_task(backend, base.prefix, base.namespace, dry_run=dry_run)
     finally:
         close = getattr(backend, "close", None)
         if callable(close):
