@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
     from celery_idempotent.core.guard import DistributedIdempotencyGuard
 
-__all__ = ["drop_queued_marker", "publish"]
+__all__ = ["drop_queued_marker", "publish", "publish_checker"]
 
 log = logging.getLogger("celery_idempotent")
 
@@ -327,15 +327,17 @@ def _plan_publish(
         return _PublishPlan(task_id=task_id)
     key, _, fingerprint = prepared
     guard = factory.guard(task, cfg)
-    store = guard.store
-    if cfg.idempotency_publish_until == "started" and not isinstance(store, RedisIdempotencyStore):
+    if cfg.idempotency_publish_until == "started" and not isinstance(
+        guard.store, RedisIdempotencyStore
+    ):
         # Only the Redis publish side ends a call's marker when its delivery claims the key.
         raise ValueError(
             f"idempotency_publish_until='started' of task {task.name} needs a Redis "
             f"idempotency_url (the publish side that ends a call's queued marker when it "
-            f"starts); its store is a {type(store).__name__}"
+            f"starts); its store is a {type(guard.store).__name__}"
         )
-    if not isinstance(store, ChecksPublishes):  # the run-time guard decides alone
+    store = publish_checker(guard.store)
+    if store is None:  # the run-time guard decides alone
         return _PublishPlan(task_id=task_id)
     check = _Check(
         store,
@@ -348,6 +350,17 @@ def _plan_publish(
         cfg.idempotency_publish_until,
     )
     return _PublishPlan(task_id=task_id, check=check)
+
+
+def publish_checker(store: Any) -> ChecksPublishes | None:
+    """``store`` when it has the :class:`ChecksPublishes` capability (and, when it says
+    whether it can with ``checks_publishes()``, says yes), else ``None``."""
+    if not isinstance(store, ChecksPublishes):
+        return None
+    able = getattr(store, "checks_publishes", None)
+    if callable(able) and not able():
+        return None
+    return store
 
 
 def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecision) -> Any:
@@ -387,9 +400,9 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
 
 def drop_queued_marker(task: IdempotentTask, guard: DistributedIdempotencyGuard, key: str) -> None:
     """End the queued marker of the delivery running now (its body failed for good)."""
-    store = guard.store
+    store = publish_checker(guard.store)
     task_id = task.request.id
-    if not isinstance(store, ChecksPublishes) or task_id is None:
+    if store is None or task_id is None:
         return
     try:
         store.drop_queued(guard.record_key(key), str(task_id))
