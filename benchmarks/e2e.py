@@ -44,6 +44,28 @@ def _env(url: str, queue: str, prefix: str) -> dict[str, str]:
     return env
 
 
+#: The CPU-bound neighbour of the loaded variant: a pure-Python loop, one process per core.
+NEIGHBOUR = "while True: pass"
+
+
+@contextlib.contextmanager
+def neighbours(count: int) -> Any:
+    """``count`` CPU-bound processes on this machine's cores for the duration of the block
+    (the condition of a busy worker host: the worker, Redis and the producer compete with
+    them for the CPU), stopped and reaped afterwards whatever happens."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.DEVNULL)
+        for _ in range(count)
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(10)
+
+
 def run(
     url: str,
     prefix: str,
@@ -52,8 +74,14 @@ def run(
     tasks: int,
     pool: str = "prefork",
     concurrency: int = 2,
+    load: int = 0,
 ) -> dict[str, Any]:
+    """The end-to-end case; ``load``: CPU-bound neighbours running meanwhile (0: none)."""
     queue = prefix.rstrip(":").replace(":", ".")
+    if load:
+        # Its own queue and keys: the quiet run's leftovers cannot be taken for this one's.
+        queue += ".loaded"
+        prefix = f"{prefix}loaded:"
     env = _env(url, queue, prefix)
     # The app module reads its configuration from the environment at import.
     os.environ.update(
@@ -74,7 +102,8 @@ def run(
             command, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT
         )
         try:
-            seconds, counts, blocks = _measure(e2e_app, worker, rounds, tasks, concurrency)
+            with neighbours(load) if load else contextlib.nullcontext():
+                seconds, counts, blocks = _measure(e2e_app, worker, rounds, tasks, concurrency)
         except BaseException:
             log.seek(0)
             tail = log.read()[-4000:].decode("utf-8", "replace")
@@ -100,6 +129,7 @@ def run(
     return {
         "pool": pool,
         "concurrency": concurrency,
+        "neighbours": load,
         "rounds": rounds,
         "tasks_per_block": tasks,
         "tasks_per_second": {k: round(v, 1) for k, v in tps.items()},
