@@ -46,6 +46,31 @@ def serializer_info(name: str | None) -> SerializerInfo | None:
     return None if codec is None else SerializerInfo(codec.content_type, codec.content_encoding)
 
 
+_JSON = "application/json"
+
+
+def _fast_json() -> tuple[Any, Any]:
+    """(kombu's JSON decoder, one that decodes the same): UTF-8 text, kombu's
+    ``object_hook`` for its registered types, with the decoder object built once where
+    ``kombu.utils.json.loads`` has ``json.loads`` build one per call. Used only while kombu's
+    own is the registered one (an application may register its own JSON serializer)."""
+    import json  # noqa: PLC0415 - with kombu, on first use
+
+    from kombu.utils import json as kombu_json  # noqa: PLC0415
+
+    decode = json.JSONDecoder(object_hook=kombu_json.object_hook).decode
+
+    def loads(data: Any) -> Any:
+        if isinstance(data, memoryview):
+            data = data.tobytes()
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        if text.startswith("\ufeff"):  # what json.loads refuses before decoding
+            raise ValueError("Unexpected UTF-8 BOM (decode using utf-8-sig)")
+        return decode(text)
+
+    return kombu_json.loads, loads
+
+
 class ResultCodec:
     """Encodes results with ``serializer`` and decodes those whose content type ``accept``
     allows (serializer names or content types; pickle only when named).
@@ -76,6 +101,7 @@ class ResultCodec:
         # manager per call; the accept check they would do is done here, before decoding).
         self._codec = registry._encoders[serializer]
         self._decoders = registry._decoders
+        self._json = _fast_json()
         self._kombu = kombu
         self.content_type: str = self._codec.content_type
         self.content_encoding: str = self._codec.content_encoding
@@ -119,6 +145,8 @@ class ResultCodec:
             )
         try:
             decoder = self._decoders.get(content_type)
+            if decoder is self._json[0] and content_type == _JSON:
+                decoder = self._json[1]
             if decoder is not None and data:
                 return decoder(data)
             # raw text or data, or an empty payload: kombu's rules for those
