@@ -71,6 +71,17 @@ def _fast_json() -> tuple[Any, Any]:
     return kombu_json.loads, loads
 
 
+def _fast_json_encoder(encoder: Any) -> Any:
+    """``encoder`` itself, or for kombu's own JSON encoder one that encodes the same with its
+    ``JSONEncoder`` built once (``kombu.utils.json.dumps`` has ``json.dumps`` build one per
+    call, with every option at its default)."""
+    from kombu.utils import json as kombu_json  # noqa: PLC0415 - with kombu, on first use
+
+    if encoder is not kombu_json.dumps:
+        return encoder
+    return kombu_json.JSONEncoder().encode
+
+
 class ResultCodec:
     """Encodes results with ``serializer`` and decodes those whose content type ``accept``
     allows (serializer names or content types; pickle only when named).
@@ -100,6 +111,7 @@ class ResultCodec:
         # call them directly (kombu's dumps/loads add lookups and a generator-based context
         # manager per call; the accept check they would do is done here, before decoding).
         self._codec = registry._encoders[serializer]
+        self._encode = _fast_json_encoder(self._codec.encoder)
         self._decoders = registry._decoders
         self._json = _fast_json()
         self._kombu = kombu
@@ -124,7 +136,7 @@ class ResultCodec:
     def dumps(self, key: str, result: Any) -> bytes:
         """``result`` encoded; :class:`ResultEncodeError` when the serializer refuses it."""
         try:
-            data = self._codec.encoder(result)
+            data = self._encode(result)
         except Exception as exc:
             raise ResultEncodeError(key, result, f"{self.serializer}: {exc}") from exc
         if isinstance(data, str):

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_idempotent.core.codec import ResultCodec
-from celery_idempotent.core.exceptions import RecordDecodeError
+from celery_idempotent.core.exceptions import RecordDecodeError, ResultEncodeError
 
 kombu_json = pytest.importorskip("kombu.utils.json")
 
@@ -69,3 +69,19 @@ def test_an_applications_own_json_decoder_is_used_as_it_is(
     codec = ResultCodec("json", ["json"])
     assert codec.loads("k", "application/json", "utf-8", b"[1]") == "own"
     assert seen == [b"[1]"]
+
+
+@given(JSON)
+def test_encodes_what_kombus_dumps_encodes(value: Any) -> None:
+    codec = ResultCodec("json", ["json"])
+    assert codec.dumps("k", value) == kombu_json.dumps(value).encode("utf-8")
+
+
+def test_kombus_registered_types_encode_as_kombu_encodes_them() -> None:
+    codec = ResultCodec("json", ["json"])
+    value = {"when": datetime.date(2026, 12, 1), "amount": decimal.Decimal("1.5")}
+    assert codec.dumps("k", value) == kombu_json.dumps(value).encode("utf-8")
+    with pytest.raises(TypeError):
+        kombu_json.dumps({1, 2})
+    with pytest.raises(ResultEncodeError, match="set is not JSON serializable"):
+        codec.dumps("k", {1, 2})
