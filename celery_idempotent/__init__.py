@@ -37,6 +37,7 @@ from celery_idempotent.core.guard import (
     GuardEvent,
     Outcome,
     current_lease,
+    require_lease,
 )
 from celery_idempotent.core.protocols import (
     AtomicBackend,
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from celery_idempotent.backends.redis.store import RedisIdempotencyStore
     from celery_idempotent.celery.task import IdempotentTask
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AtomicBackend",
@@ -93,6 +94,7 @@ __all__ = [
     "current_connection",
     "current_lease",
     "fingerprint_payload",
+    "require_lease",
 ]
 
 _LAZY = {

@@ -19,6 +19,15 @@ signal                      sent when                               ``elapsed`` 
 ``sender=<the task>``, ``task_id`` (the first call's task id, ``None`` when unknown), ``key``
 and ``state`` (``"completed"`` or ``"queued"``, which covers running).
 
+Two more cover what a dashboard alerts on, sent in the worker (``where="worker"``) and in the
+publishing process (``where="publish"``), with ``sender=<the task>``, ``task_id`` and ``key``:
+
+- ``idempotency_mismatch_refused``: a call was refused because its key is stored (or queued)
+  with another payload's fingerprint (``IdempotencyMismatchError`` follows);
+- ``idempotency_backend_unreachable``: the idempotency backend (Redis, PostgreSQL) did not
+  answer; also ``error`` (the ``IdempotencyConnectionError``). In the worker the delivery
+  fails or is re-queued; at publish the message is published unchecked.
+
 Receivers run in the worker process that ran the task, on the task's thread, before the task
 returns: keep them as cheap as a statsd UDP packet. Celery keeps receivers by weak reference:
 connect module-level functions (as below) or pass ``weak=False``, and connect them in a module
@@ -63,9 +72,11 @@ from __future__ import annotations
 from celery.utils.dispatch import Signal
 
 __all__ = [
+    "idempotency_backend_unreachable",
     "idempotency_committed",
     "idempotency_contended",
     "idempotency_lease_lost",
+    "idempotency_mismatch_refused",
     "idempotency_publish_stopped",
     "idempotency_replayed",
 ]
@@ -80,3 +91,8 @@ idempotency_committed = Signal(name="idempotency_committed")
 idempotency_lease_lost = Signal(name="idempotency_lease_lost")
 #: ``apply_async``/``delay`` published nothing: the key was completed, queued or running.
 idempotency_publish_stopped = Signal(name="idempotency_publish_stopped")
+#: A call was refused: its key holds another payload's fingerprint (``where``: worker or
+#: publish).
+idempotency_mismatch_refused = Signal(name="idempotency_mismatch_refused")
+#: The idempotency backend did not answer (``where``: worker or publish; ``error``).
+idempotency_backend_unreachable = Signal(name="idempotency_backend_unreachable")

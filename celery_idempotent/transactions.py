@@ -10,7 +10,7 @@ from typing import Any
 
 from celery_idempotent.core.guard import current_lease
 
-__all__ = ["current_connection", "register", "unregister"]
+__all__ = ["current_connection", "lent", "register", "unregister"]
 
 #: lease token -> the connection whose transaction the lease is (one entry per running body).
 _OPEN: dict[str, Any] = {}
@@ -20,8 +20,19 @@ def register(token: str, connection: Any) -> None:
     _OPEN[token] = connection
 
 
+#: lease tokens whose connection :func:`current_connection` has handed to the body: only those
+#: connections can carry session state the body left (the backend resets them before reuse).
+_LENT: set[str] = set()
+
+
 def unregister(token: str) -> Any:
+    _LENT.discard(token)
     return _OPEN.pop(token, None)
+
+
+def lent(token: str) -> bool:
+    """Whether the body of the lease ``token`` has been handed its connection."""
+    return token in _LENT
 
 
 def current_connection() -> Any:
@@ -36,9 +47,15 @@ def current_connection() -> Any:
 
     Do not commit or roll back this transaction yourself (psycopg and Django refuse it inside
     the guard's transaction block); use nested ``conn.transaction()`` / ``atomic()`` blocks,
-    which become savepoints.
+    which become savepoints. A body that ends it anyway (raw ``COMMIT`` / ``ROLLBACK`` SQL)
+    has its commit refused (``LockLostError`` saying so; nothing recorded). Session state the
+    body leaves on a pooled psycopg connection (``SET``, ``SET ROLE``, temporary tables,
+    advisory locks, prepared statements, cursors) is reset before the connection is reused.
     """
     lease = current_lease()
     if lease is None:
         return None
-    return _OPEN.get(lease.token)
+    connection = _OPEN.get(lease.token)
+    if connection is not None:
+        _LENT.add(lease.token)
+    return connection

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_idempotent import signals
 from celery_idempotent.celery.publish import drop_queued_marker
 from celery_idempotent.celery.requeue import on_locked, requeue, wait_in_place
 from celery_idempotent.celery.results import (
@@ -20,6 +21,7 @@ from celery_idempotent.celery.results import (
 )
 from celery_idempotent.core.exceptions import (
     IdempotencyConnectionError,
+    IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
 )
@@ -75,13 +77,26 @@ def run(
         outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
     except _CONTROL_FLOW:
         raise
-    except BaseException:
+    except BaseException as exc:
+        _signal_failure(task, prepared.key, exc, where="worker")
         if body.started:  # the body failed for good: its queued marker ends with it
             drop_queued_marker(task, guard, prepared.key)
         raise
     finally:
         _running.reset(token)
     return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+def _signal_failure(task: Any, key: str, exc: BaseException, *, where: str) -> None:
+    """``idempotency_mismatch_refused`` / ``idempotency_backend_unreachable`` for ``exc``."""
+    if isinstance(exc, IdempotencyMismatchError):
+        signals.idempotency_mismatch_refused.send(
+            sender=task, task_id=task.request.id, key=key, where=where
+        )
+    elif isinstance(exc, IdempotencyConnectionError):
+        signals.idempotency_backend_unreachable.send(
+            sender=task, task_id=task.request.id, key=key, where=where, error=exc
+        )
 
 
 class _Body:
@@ -157,6 +172,7 @@ def _outcome(
             # never answer (a wrong URL) would hang the caller.
             if body.started or cfg.idempotency_on_locked != "retry" or request.is_eager:
                 raise
+            _signal_failure(task, key, exc, where="worker")  # re-queued: the signal still says so
             log.warning(
                 "idempotency backend unreachable for %s[%s]; re-queueing: %s",
                 task.name,

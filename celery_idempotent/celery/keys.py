@@ -5,6 +5,15 @@ the task's signature (defaults applied), the key its ``idempotency_key`` strateg
 per-call header), namespaced and, with ``idempotency_window``, slotted, and the fingerprint
 stored with the result. The publish side (``publish.py``) and the worker side (``task.py``)
 both come here, so that a key computed at publish is the key the worker computes.
+
+One identity (SPEC §8): a worker derives the key and fingerprint from the arguments as the
+message delivers them, after the task's serializer (JSON turns ``{101: 2}`` into
+``{"101": 2}``, a tuple into a list, an ``IntEnum`` into its int). Every path that sees the
+caller's Python arguments (publish, an eager ``apply()``, ``idempotency_status`` /
+``idempotency_forget``, the CLI's ``--args``, the testing plugin) first passes them through
+:func:`as_received`: the serializer and back, skipped when the arguments are already of the
+types every built-in serializer gives back unchanged. The worker's own arguments are used as
+they arrive, so its keys do not change.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ import string
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kombu import serialization
+from kombu.exceptions import KombuError
 
 from celery_idempotent import keyspace
 from celery_idempotent.core.exceptions import IdempotencyKeyMissingError
@@ -31,11 +43,13 @@ __all__ = [
     "SLOT_HEADER",
     "PreparedCall",
     "admin_key",
+    "as_received",
     "bound_arguments",
     "eta_seconds",
     "fingerprint_for",
     "key_for",
     "prepare_call",
+    "received_or_none",
     "request_value",
     "slot_of_request",
 ]
@@ -47,6 +61,77 @@ log = logging.getLogger("celery_idempotent")
 KEY_HEADER = "idempotency_key"
 #: The schedule slot (``idempotency_window``) stamped at publish, so that redeliveries keep it.
 SLOT_HEADER = "idempotency_slot"
+
+
+#: The serializers (kombu's registered names) under which the fast path of
+#: :func:`as_received` holds: ``str``, ``int``, ``float``, ``bool``, ``None``, and lists and
+#: str-keyed dicts of them come back from each as they went in. Not yaml: it sorts a dict's
+#: keys, which a format key that shows a dict would see.
+_NATIVE_SERIALIZERS = frozenset({"json", "msgpack", "pickle"})
+#: kombu's serialization module (untyped).
+_kombu: Any = serialization
+#: msgpack encodes ints in 64 bits; a bigger one is not native there.
+_MSGPACK_INT = (-(2**63), 2**64 - 1)
+
+
+def _native(value: Any, small_ints: bool) -> bool:
+    """Whether ``value`` comes back from every built-in serializer as it went in."""
+    t = type(value)
+    if t is str or t is bool or t is float or value is None:
+        return True
+    if t is int:
+        return not small_ints or _MSGPACK_INT[0] <= value <= _MSGPACK_INT[1]
+    if t is list:
+        return all(_native(item, small_ints) for item in value)
+    if t is dict:
+        return all(type(k) is str and _native(v, small_ints) for k, v in value.items())
+    return False
+
+
+def as_received(
+    task: IdempotentTask,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    serializer: str | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` as a worker receives them: through ``serializer`` (the call's, else
+    the task's) and back, as Celery's message does (SPEC §8, one identity).
+
+    Arguments that are already ``str``, ``int``, ``float``, ``bool``, ``None``, or lists and
+    str-keyed dicts of them, skip the round trip under ``json``, ``msgpack`` and ``pickle``
+    (they come back unchanged). Raises a ``kombu.exceptions.KombuError`` (``EncodeError``,
+    ``DecodeError``) when the serializer cannot carry them: no message with them can be
+    published or received either.
+    """
+    call_args = tuple(args or ())
+    call_kwargs = dict(kwargs or {})
+    name = serializer or getattr(task, "serializer", None) or task.app.conf.task_serializer
+    if name in _NATIVE_SERIALIZERS:
+        small = name == "msgpack"
+        if all(_native(a, small) for a in call_args) and all(
+            _native(v, small) for v in call_kwargs.values()
+        ):
+            return call_args, call_kwargs
+    content_type, encoding, data = _kombu.dumps([list(call_args), call_kwargs], name)
+    # Our own bytes, just made: accepting their content type loads nothing foreign.
+    loaded = _kombu.loads(data, content_type, encoding, accept=[content_type])
+    got_args, got_kwargs = loaded
+    return tuple(got_args), dict(got_kwargs)
+
+
+def received_or_none(
+    task: IdempotentTask,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    serializer: str | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """:func:`as_received`, or ``None`` when the serializer cannot carry the arguments."""
+    try:
+        return as_received(task, args, kwargs, serializer=serializer)
+    except (KombuError, TypeError, ValueError):
+        return None
 
 
 class PreparedCall(NamedTuple):
@@ -253,8 +338,22 @@ def admin_key(
         )
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"args must be a tuple or list, as for apply_async, not {args!r}")
-    call_args, call_kwargs = tuple(args), dict(kwargs or {})
+    call_args, call_kwargs = _received_for_admin(task, args, kwargs)
     return _derived_key(task, cfg, call_args, call_kwargs, payload=None, fingerprint=None)
+
+
+def _received_for_admin(
+    task: IdempotentTask, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """:func:`as_received` for a path that names a key (status, forget, the CLI, the testing
+    plugin): arguments no message can carry name no key, a ``TypeError`` that says so."""
+    try:
+        return as_received(task, args, kwargs)
+    except KombuError as exc:
+        raise TypeError(
+            f"{task.name}: these arguments cannot be sent with serializer "
+            f"{getattr(task, 'serializer', None)!r}, so no call has their key: {exc}"
+        ) from exc
 
 
 def bound_arguments(

@@ -1,13 +1,15 @@
-"""The publish side: duplicates stopped at ``apply_async``, in one Redis round trip.
+"""The publish side: duplicates stopped at ``apply_async``, in one round trip.
 
 :func:`publish` is what ``IdempotentTask.apply_async`` does: it computes the key as the
-worker will, asks the store (``check_publish``) whether the key is completed, queued or
-running, and either returns a result object without publishing or sets a "queued" marker and
-publishes (removing the marker if the publish fails). With kombu's Redis transport the check
-runs where kombu pushes the message (:mod:`celery_idempotent.backends.redis.publish`): on the
-store's own Redis, the check, the marker and the push are one script, one round trip. The
-schedule slot (``idempotency_window``) is stamped into the message's headers here. The worker
-ends the marker of a body that failed for good with :func:`drop_queued_marker`.
+worker will, asks the store (``check_publish``, the
+:class:`~celery_idempotent.core.protocols.ChecksPublishes` capability: Redis and
+PostgreSQL) whether the key is completed, queued or running, and either returns a result
+object without publishing or sets a "queued" marker and publishes (removing the marker if
+the publish fails). With kombu's Redis transport the check runs where kombu pushes the
+message (:mod:`celery_idempotent.backends.redis.publish`): on the store's own Redis, the
+check, the marker and the push are one script, one round trip. The schedule slot
+(``idempotency_window``) is stamped into the message's headers here. The worker ends the
+marker of a body that failed for good with :func:`drop_queued_marker`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from celery.utils import uuid
 
 from celery_idempotent import keyspace, signals
 from celery_idempotent.backends.redis import publish as publish_redis
-from celery_idempotent.backends.redis.store import PublishDecision, RedisIdempotencyStore
+from celery_idempotent.backends.redis.store import RedisIdempotencyStore
+from celery_idempotent.celery.checks import _checked as checked_apps
+from celery_idempotent.celery.checks import at_first_publish
 from celery_idempotent.celery.factory import factory
-from celery_idempotent.celery.keys import SLOT_HEADER, prepare_call
+from celery_idempotent.celery.keys import SLOT_HEADER, prepare_call, received_or_none
 from celery_idempotent.celery.requeue import REQUEUE_HEADER
 from celery_idempotent.celery.results import failure_from, is_failure_envelope
 from celery_idempotent.core.exceptions import (
@@ -37,6 +41,7 @@ from celery_idempotent.core.exceptions import (
     IdempotencyMismatchError,
 )
 from celery_idempotent.core.fingerprint import key_digest
+from celery_idempotent.core.protocols import ChecksPublishes, PublishDecision
 from celery_idempotent.settings import DUPLICATE_PUBLISH_POLICIES
 
 if TYPE_CHECKING:
@@ -59,7 +64,7 @@ Send = Callable[[Any, dict[str, Any], Any], Any]
 class _Check(NamedTuple):
     """The publish-side check of one call, not made yet."""
 
-    store: RedisIdempotencyStore
+    store: ChecksPublishes
     record: str
     lock: str
     key: str
@@ -91,6 +96,8 @@ def publish(
 ) -> Any:
     """Publish a call of ``task`` unless it is a duplicate (see ``IdempotentTask.apply_async``):
     ``send(task_id, options, producer)`` publishes it (``producer``: the caller's or ``None``)."""
+    if task.app not in checked_apps:
+        at_first_publish(task.app)
     options = dict(options)
     policy = options.pop("idempotency_on_duplicate_publish", None)
     if policy is not None and policy not in DUPLICATE_PUBLISH_POLICIES:
@@ -107,7 +114,11 @@ def publish(
         return plan.result
     if plan.check is None or plan.task_id is None:
         return send(plan.task_id or task_id, options, producer)
-    if _through_redis_broker(task.app, options, producer) and publish_redis.install():
+    if (
+        publish_redis.travels_with_push(plan.check.store)
+        and _through_redis_broker(task.app, options, producer)
+        and publish_redis.install()
+    ):
         return _checked_publish(
             task, plan.task_id, plan.check, options, send=send, producer=producer
         )
@@ -133,8 +144,11 @@ def _checked_publish(
 ) -> Any:
     """Publish through kombu's Redis transport with the check where kombu pushes the message
     (``publish_redis``): one round trip for both when the broker is the store's Redis."""
+    store = check.store
+    if not isinstance(store, RedisIdempotencyStore):  # pragma: no cover - travels_with_push
+        raise TypeError(f"{type(store).__name__} cannot travel with kombu's Redis push")
     pending = publish_redis.Pending(
-        check.store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+        store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
     )
     token = publish_redis.arm(pending)
     stopped = False
@@ -178,14 +192,17 @@ def _checked_publish(
 
 
 def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision | None:
-    """The store's decision (one round trip); ``None``: Redis unreachable, publish unchecked."""
+    """The store's decision (one round trip); ``None``: backend unreachable, publish unchecked."""
     try:
         return check.store.check_publish(
             check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
         )
     except IdempotencyConnectionError as exc:
+        signals.idempotency_backend_unreachable.send(
+            sender=task, task_id=task_id, key=check.key, where="publish", error=exc
+        )
         # Publishing without the check is safe: the worker's guard still decides.
-        log.warning("publish-side check of %s skipped, Redis unreachable: %s", task.name, exc)
+        log.warning("publish-side check of %s skipped, backend unreachable: %s", task.name, exc)
         return None
 
 
@@ -278,9 +295,13 @@ def _plan_publish(
         from celery.utils.threads import LocalStack  # noqa: PLC0415 - as Task.bind does
 
         type(task).request_stack = LocalStack()
+    # The key as the worker will compute it: from the arguments as the message delivers them.
+    received = received_or_none(task, args, kwargs, serializer=options.get("serializer"))
+    if received is None:  # no message can carry them: Celery's publish raises its error
+        return _PublishPlan(task_id=task_id)
     task.push_request(id=task_id, headers=headers, eta=options.get("eta"))
     try:
-        prepared = prepare_call(task, cfg, tuple(args or ()), dict(kwargs or {}))
+        prepared = prepare_call(task, cfg, *received)
     except (TypeError, ValueError, IdempotencyKeyMissingError):
         prepared = None  # the worker reports it when the task runs
     finally:
@@ -290,7 +311,7 @@ def _plan_publish(
     key, _, fingerprint = prepared
     guard = factory.guard(task, cfg)
     store = guard.store
-    if not isinstance(store, RedisIdempotencyStore):
+    if not isinstance(store, ChecksPublishes):  # the run-time guard decides alone
         return _PublishPlan(task_id=task_id)
     check = _Check(
         store,
@@ -310,6 +331,9 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
     key, fingerprint, policy = check.key, check.fingerprint, check.policy
     stored = found.stored_fingerprint
     if fingerprint is not None and stored is not None and stored != fingerprint:
+        signals.idempotency_mismatch_refused.send(
+            sender=task, task_id=found.task_id, key=key, where="publish"
+        )
         raise IdempotencyMismatchError(key, stored, fingerprint)
     first = found.task_id
     signals.idempotency_publish_stopped.send(
@@ -339,7 +363,7 @@ def drop_queued_marker(task: IdempotentTask, guard: DistributedIdempotencyGuard,
     """End the queued marker of the delivery running now (its body failed for good)."""
     store = guard.store
     task_id = task.request.id
-    if not isinstance(store, RedisIdempotencyStore) or task_id is None:
+    if not isinstance(store, ChecksPublishes) or task_id is None:
         return
     try:
         store.drop_queued(guard.record_key(key), str(task_id))

@@ -118,7 +118,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # call finds this one, or the copy Task.__call__ pushes of it, marked.
         setattr(request, _GUARDED, True)
         try:
-            prepared = task_keys.prepare_call(self, cfg, args, kwargs)
+            if request.is_eager:
+                # apply() hands the caller's objects to the body; the key is the worker's,
+                # from the arguments as a message would carry them (one identity).
+                key_args, key_kwargs = task_keys.received_or_none(self, args, kwargs) or (
+                    args,
+                    kwargs,
+                )
+            else:
+                key_args, key_kwargs = args, kwargs
+            prepared = task_keys.prepare_call(self, cfg, key_args, key_kwargs)
             if prepared is None:  # no key, idempotency_missing_key="run"
                 return super().__call__(*args, **kwargs)
             guard = factory.guard(self, cfg)

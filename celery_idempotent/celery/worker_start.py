@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import signals as celery_signals
 
@@ -18,6 +18,7 @@ from celery_idempotent.backends.redis.client import SentinelClientFactory, impor
 from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from celery_idempotent.celery.factory import backend_label
 from celery_idempotent.core import green
+from celery_idempotent.setting_checks import POSTGRES_SCHEMES
 from celery_idempotent.settings import IdempotencySettings, declared_by_task, resolve
 
 if TYPE_CHECKING:
@@ -25,12 +26,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AT_WORKER_START",
+    "BACKEND_KINDS",
     "STARTUP_CHECKS",
+    "StartupError",
+    "applies_to",
+    "backend_kind",
     "check_app_at_worker_start",
     "check_beat_schedule",
+    "check_delivery",
     "check_eviction",
     "check_namespaces",
     "check_pool",
+    "check_postgres",
+    "check_setting_names",
+    "run_startup_checks",
 ]
 
 log = logging.getLogger("celery_idempotent")
@@ -81,20 +90,83 @@ def check_app_at_worker_start(app: Any) -> list[str]:
             sum(places.values()),
             ", ".join(f"{n} at {label}" for label, n in places.items()),
         )
+    errors.extend(run_startup_checks(app, resolved))
+    return errors
+
+
+def run_startup_checks(app: Any, resolved: list[Resolved]) -> list[str]:
+    """Run each of :data:`STARTUP_CHECKS` on the tasks whose backend it applies to (its
+    ``backends``, see :func:`applies_to`); log each finding (an :class:`StartupError` as
+    ERROR, the others as WARNING) and return the errors."""
+    errors: list[str] = []
     for check in STARTUP_CHECKS:
+        kinds = getattr(check, "backends", None)
+        tasks = [t for t in resolved if kinds is None or backend_kind(t[2]) in kinds]
+        if kinds is not None and not tasks:
+            continue
         try:
-            found = check(app, resolved)
+            found = check(app, tasks)
         except Exception:  # a check must never stop the worker
             log.exception("celery-idempotent: start-up check %s failed", check.__name__)
             continue
         for message in found:
-            log.warning("celery-idempotent: %s", message)
+            if isinstance(message, StartupError):
+                log.error("celery-idempotent: %s", message)
+                errors.append(message)
+            else:
+                log.warning("celery-idempotent: %s", message)
     return errors
+
+
+class StartupError(str):
+    """A start-up finding that is an ERROR (the tasks cannot work as configured), not a
+    WARNING (a setup that can break a promise)."""
+
+    __slots__ = ()
+
+
+#: The backend kinds a check can declare (see :func:`backend_kind`).
+BACKEND_KINDS = ("memory", "redis", "postgres", "mysql", "other")
+
+Check = TypeVar("Check", bound=Callable[..., Any])
+
+
+def applies_to(*kinds: str) -> Callable[[Check], Check]:
+    """Declare the backend kinds a start-up check is about: it then receives only the tasks
+    whose keys live on one of them, and does not run when there are none (a Redis check never
+    sees a PostgreSQL URL)."""
+    unknown = [kind for kind in kinds if kind not in BACKEND_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"backend kinds must be among {BACKEND_KINDS}, got {kinds!r}")
+
+    def mark(check: Check) -> Check:
+        check.backends = frozenset(kinds)  # type: ignore[attr-defined]
+        return check
+
+    return mark
+
+
+def backend_kind(cfg: IdempotencySettings) -> str:
+    """``memory``, ``redis``, ``postgres`` (``postgresql://``, ``django://``), ``mysql`` or
+    ``other``: where a task's keys live, judged from its settings without connecting."""
+    if cfg.in_memory:
+        return "memory"
+    if cfg.idempotency_client is not None:
+        return "redis"
+    url = cfg.backend_url
+    if url.startswith(POSTGRES_SCHEMES):
+        return "postgres"
+    if url.startswith(("mysql://", "mariadb://")):
+        return "mysql"
+    if url.startswith(("redis://", "rediss://", "unix://", "sentinel://", "redis+sentinel://")):
+        return "redis"
+    return "other"
 
 
 # One small function per start-up check: (app, the enabled tasks) -> warning messages.
 
 
+@applies_to("redis", "memory")
 def check_pool(app: Any, tasks: list[Resolved]) -> list[str]:
     """Under gevent or eventlet: what a body that does not yield risks, and which lease to
     choose."""
@@ -138,6 +210,7 @@ def _renews_natively(cfg: IdempotencySettings) -> bool:
     return native_redis.native_caller_for(source, green.natives()) is not None
 
 
+@applies_to("redis")
 def check_eviction(app: Any, tasks: list[Resolved]) -> list[str]:
     """The ``maxmemory-policy`` of every Redis the tasks' keys live on (one ``INFO memory``
     each, on a short-lived client)."""
@@ -149,11 +222,40 @@ def check_eviction(app: Any, tasks: list[Resolved]) -> list[str]:
             backends.setdefault(ident, cfg)
     messages: list[str] = []
     for cfg in backends.values():
+        unreachable = _redis_unreachable(cfg)
+        if unreachable is not None:
+            messages.append(
+                StartupError(
+                    f"the idempotency Redis at {backend_label(cfg)} is unreachable "
+                    f"({unreachable}): every idempotent task fails until it answers"
+                )
+            )
+            continue
         policy, error = _read_policy(cfg)
         message = eviction_warning(backend_label(cfg), policy, error)
         if message is not None:
             messages.append(message)
     return messages
+
+
+def _redis_unreachable(cfg: IdempotencySettings) -> str | None:
+    """Why the Redis of ``cfg``'s URL does not answer a PING (a connection error), or ``None``
+    (it answers, or refuses PING for another reason, or is not a plain URL)."""
+    if cfg.idempotency_client is not None:
+        return None
+    redis_mod = import_redis()
+    client = redis_mod.Redis.from_url(
+        cfg.backend_url, socket_timeout=2.0, socket_connect_timeout=2.0
+    )
+    try:
+        client.ping()
+    except (redis_mod.ConnectionError, redis_mod.TimeoutError) as exc:
+        return str(exc) or type(exc).__name__
+    except Exception:  # refused by an ACL, say: reachable; the eviction check reports it
+        return None
+    finally:
+        client.close()
+    return None
 
 
 def _read_policy(cfg: IdempotencySettings) -> tuple[str | None, str | None]:
@@ -179,8 +281,49 @@ def _read_policy(cfg: IdempotencySettings) -> tuple[str | None, str | None]:
     return None, "idempotency_client is a factory; it is not called at start"
 
 
-#: The checks :func:`check_app_at_worker_start` runs, in order.
-STARTUP_CHECKS: list[Callable[[Any, list[Resolved]], list[str]]] = [check_pool, check_eviction]
+@applies_to("postgres")
+def check_postgres(app: Any, tasks: list[Resolved]) -> list[str]:
+    """Each PostgreSQL backend of the tasks answers, and has its table: an unknown
+    ``django://<alias>``, a server that does not answer, or (with the Django app installed)
+    a table not migrated yet are ERRORs now rather than at the first call."""
+    from celery_idempotent.celery import checks  # noqa: PLC0415
+
+    seen: dict[str, list[str]] = {}
+    for name, _, cfg in tasks:
+        seen.setdefault(cfg.backend_url, []).append(name)
+    messages: list[str] = []
+    for url, names in seen.items():
+        problem = checks.postgres_problem(url)
+        if problem is not None:
+            messages.append(StartupError(f"{problem} (tasks {', '.join(names)})"))
+    return messages
+
+
+def check_delivery(app: Any, tasks: list[Resolved]) -> list[str]:
+    """Tasks whose message is acknowledged so that a killed worker loses the call (see
+    :func:`celery_idempotent.celery.checks.delivery_warnings`)."""
+    from celery_idempotent.celery import checks  # noqa: PLC0415
+
+    return checks.delivery_warnings(app, [task for _, task, _ in tasks])
+
+
+def check_setting_names(app: Any, tasks: list[Resolved]) -> list[str]:
+    """Settings whose name looks like one of ours but is not (see
+    :func:`celery_idempotent.celery.checks.misspelt_settings`): ERRORs."""
+    from celery_idempotent.celery import checks  # noqa: PLC0415
+
+    return [StartupError(message) for message in checks.misspelt_settings(app)]
+
+
+#: The checks :func:`check_app_at_worker_start` runs, in order. A check decorated with
+#: :func:`applies_to` gets only the tasks on the backends it names, and is skipped without any.
+STARTUP_CHECKS: list[Callable[[Any, list[Resolved]], list[str]]] = [
+    check_setting_names,
+    check_delivery,
+    check_pool,
+    check_eviction,
+    check_postgres,
+]
 
 
 def check_namespaces(app: Any) -> list[str]:
@@ -275,6 +418,9 @@ def _check_at_worker_start(sender: Any = None, instance: Any = None, **kwargs: A
     app = getattr(instance, "app", None)
     if app is None:
         return
+    from celery_idempotent.celery.checks import mark_checked  # noqa: PLC0415
+
+    mark_checked(app)  # the worker's own publishes need not repeat the checks
     for check in AT_WORKER_START:
         try:
             check(app)

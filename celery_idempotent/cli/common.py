@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import difflib
 import functools
 import json
 from collections.abc import Callable, Sequence
@@ -114,12 +115,42 @@ def _find_task(app: Any, name: str) -> Any:
     return app.tasks.get(name)
 
 
+def _is_idempotent(task: Any) -> bool:
+    from celery_idempotent.celery.task import IdempotentTask  # noqa: PLC0415
+
+    return isinstance(task, IdempotentTask)
+
+
+def unknown_task_message(app: Any, task_name: str) -> str:
+    """Why ``--task task_name`` is refused (exit status 2): the app defines no idempotent task
+    of that name. An operator asking "was this order charged?" must not read "absent" for a
+    mistyped name; the message lists the names the app knows."""
+    known = sorted(name for name, task in app.tasks.items() if _is_idempotent(task))
+    close = difflib.get_close_matches(task_name, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    listed = ", ".join(known) if known else "none"
+    return (
+        f"--task {task_name!r}: this app defines no IdempotentTask of that name.{hint} "
+        f"Its idempotent tasks: {listed}. (Keys of a task the app no longer defines: pass "
+        "--any-task.)"
+    )
+
+
 def connect(
-    ctx: click.Context, *, task_name: str | None, url: str | None, prefix: str | None
+    ctx: click.Context,
+    *,
+    task_name: str | None,
+    url: str | None,
+    prefix: str | None,
+    any_task: bool = False,
 ) -> Target:
-    """Resolve the settings for ``task_name`` (or the app), apply overrides, make a client."""
+    """Resolve the settings for ``task_name`` (or the app), apply overrides, make a client.
+    A ``task_name`` the app does not define as an idempotent task is a usage error (exit
+    status 2) naming the ones it does, unless ``any_task``."""
     app, quiet = _app_of(ctx)
     task = _find_task(app, task_name) if task_name else None
+    if task_name and not any_task and not _is_idempotent(task):
+        raise click.UsageError(unknown_task_message(app, task_name))
     source: Any = app if url is None else _UrlOverride(app, url)
     try:
         cfg = resolve(source, task if task is not None else _AppLevel())

@@ -73,7 +73,9 @@ def forget(
     if not selection.names_a_key:
         if task_name is None:
             raise click.UsageError("pass --task NAME (every key of that task) and/or a KEY")
-        target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+        target = connect(
+            ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task
+        )
         if target.postgres is not None:
             _pg_forget(
                 target,
@@ -96,7 +98,7 @@ def forget(
             as_json=as_json,
         )
         return
-    target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+    target = connect(ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task)
     nkey = selection.resolve(target)
     if target.postgres is not None:
         _pg_forget(target, None, nkey, dry_run=dry_run, yes=yes, as_json=as_json)

@@ -49,7 +49,13 @@ def inspect(
     KEY is the user-level key (an explicit key such as payment-42, or a formatted one such as
     order:42) of the task given with --task.
     """
-    target = connect(ctx, task_name=selection.task_name, url=url, prefix=prefix)
+    target = connect(
+        ctx,
+        task_name=selection.task_name,
+        url=url,
+        prefix=prefix,
+        any_task=selection.any_task,
+    )
     nkey = selection.resolve(target)
     if target.postgres is not None:
         from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
+from kombu.exceptions import KombuError
 
 from celery_idempotent import keyspace
+from celery_idempotent.celery.keys import as_received
 from celery_idempotent.cli.common import DEFAULT_BATCH, Target
 from celery_idempotent.core.exceptions import IdempotencyKeyMissingError
 from celery_idempotent.keyspace import task_key
@@ -65,8 +67,10 @@ def _args_key(
     args = _json_arg(args_json, "--args", list)
     kwargs = _json_arg(kwargs_json, "--kwargs", dict)
     try:
-        return str(task.idempotency_key_for(tuple(args), kwargs))
-    except (TypeError, ValueError, IdempotencyKeyMissingError) as exc:
+        # As the worker would receive them (a --args list through the task's serializer).
+        call_args, call_kwargs = as_received(task, args, kwargs)
+        return str(task.idempotency_key_for(call_args, call_kwargs))
+    except (TypeError, ValueError, IdempotencyKeyMissingError, KombuError) as exc:
         raise click.BadParameter(str(exc), param_hint="--args/--kwargs") from exc
 
 
@@ -81,6 +85,7 @@ class KeySelection:
     task_id: str | None = None
     args_json: str | None = None
     kwargs_json: str | None = None
+    any_task: bool = False
 
     @property
     def names_a_key(self) -> bool:
@@ -125,6 +130,17 @@ def batch_size_option(help: str) -> Callable[[F], F]:
     )
 
 
+def any_task_option(f: F) -> F:
+    """``--any-task``: take ``--task NAME`` as a bare key namespace even when the app defines
+    no idempotent task of that name (without it such a name exits with status 2)."""
+    return click.option(
+        "--any-task",
+        is_flag=True,
+        help="Accept a --task name the app does not define (keys of a removed task, or made "
+        "by a guard directly); without it such a name is an error (exit status 2).",
+    )(f)
+
+
 def key_options(f: F) -> F:
     """KEY, ``--task``, ``--raw``, ``--task-id``, ``--args`` and ``--kwargs``, handed to the
     command as one ``selection`` (a :class:`KeySelection`)."""
@@ -138,9 +154,10 @@ def key_options(f: F) -> F:
         task_id: str | None = None,
         args_json: str | None = None,
         kwargs_json: str | None = None,
+        any_task: bool = False,
         **kwargs: Any,
     ) -> Any:
-        selection = KeySelection(key, task_name, raw, task_id, args_json, kwargs_json)
+        selection = KeySelection(key, task_name, raw, task_id, args_json, kwargs_json, any_task)
         return f(*args, selection=selection, **kwargs)
 
     g: Any = collect
@@ -166,6 +183,7 @@ def key_options(f: F) -> F:
         help="KEY is a namespaced key (<task>:args:<sha>, <task>:id:<id>, <task>:key:<key>) "
         "or a Redis name (<prefix>{...}).",
     )(g)
+    g = any_task_option(g)
     g = click.option(
         "--task",
         "task_name",

@@ -81,9 +81,15 @@ def inspect(
         states = {
             "completed": "completed",
             "in_progress": "in progress (a transaction holds the row)",
+            "queued": "queued (published, no delivery has committed it)",
             "absent": "absent",
         }
         pairs = [("key", nkey), ("state", states[state])]
+        if doc.get("queued") is not None:
+            pairs += [
+                ("task id", str(doc["queued"]["task_id"] or "-")),
+                ("marker ttl left", format_duration(doc["queued"]["ttl"])),
+            ]
         if record is not None:
             rec = doc["record"]
             pairs += [

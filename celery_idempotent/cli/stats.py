@@ -10,7 +10,7 @@ from celery.bin.base import CeleryCommand
 from celery_idempotent import keyspace
 from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import connect, emit_json, print_table, progress, redis_errors
-from celery_idempotent.cli.options import batch_size_option, common_options
+from celery_idempotent.cli.options import any_task_option, batch_size_option, common_options
 from celery_idempotent.cli.scan import Scan, scan_names
 
 __all__ = ["stats"]
@@ -18,6 +18,7 @@ __all__ = ["stats"]
 
 @click.command(cls=CeleryCommand)
 @click.option("--task", "task_name", metavar="NAME", help="Count only this task's keys.")
+@any_task_option
 @batch_size_option("SCAN COUNT.")
 @common_options
 @click.pass_context
@@ -26,6 +27,7 @@ def stats(
     ctx: click.Context,
     *,
     task_name: str | None,
+    any_task: bool,
     batch_size: int,
     url: str | None,
     prefix: str | None,
@@ -36,7 +38,7 @@ def stats(
     One SCAN over the prefix; approximate on a busy server (SCAN may return a key twice
     while Redis resizes its table).
     """
-    target = connect(ctx, task_name=task_name, url=url, prefix=prefix)
+    target = connect(ctx, task_name=task_name, url=url, prefix=prefix, any_task=any_task)
     if target.postgres is not None:
         from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
 

@@ -38,7 +38,14 @@ from celery_idempotent.core.exceptions import (
     LockLostError,
 )
 from celery_idempotent.core.fingerprint import fingerprint_payload, key_digest
-from celery_idempotent.core.outcome import ABSENT, GuardEvent, Outcome, current_lease, running_under
+from celery_idempotent.core.outcome import (
+    ABSENT,
+    GuardEvent,
+    Outcome,
+    current_lease,
+    require_lease,
+    running_under,
+)
 from celery_idempotent.core.protocols import (
     AtomicBackend,
     Claim,
@@ -59,6 +66,7 @@ __all__ = [
     "GuardEvent",
     "Outcome",
     "current_lease",
+    "require_lease",
 ]
 
 T = TypeVar("T")
@@ -349,7 +357,16 @@ class DistributedIdempotencyGuard:
                 value = fn()
         finally:
             renewal.stop(kept)
-        if kept.lost:  # the keeper has logged it, with its cause
+        if kept.lost:
+            if renewal.claim_report(kept):
+                # The keeper learnt it after the body ended, so it left the telling to us.
+                log.warning(
+                    "celery-idempotent: lease of key #%s (fencing token %s) lost: %s; its "
+                    "result is not committed",
+                    key_digest(key),
+                    lease.fencing_token,
+                    kept.cause,
+                )
             self._emit("lease_lost", key, 0, started, lease.fencing_token)
             raise LockLostError(
                 key, value, f"lease lost while the body ran: {kept.cause}; not committed"

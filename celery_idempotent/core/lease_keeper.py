@@ -316,6 +316,12 @@ class LeaseKeeper:
     def _lose(self, renewal: Renewal, cause: str) -> None:
         renewal.cause = cause
         renewal.lost = True
+        if renewal.cancelled:
+            # The body ended while this renewal was under way: its commit may well have
+            # released the lock before the renewal reached the server (then "not held" is
+            # the commit's own doing, and the result *was* committed). The commit decides,
+            # and the guard reports what it finds: a refused commit, or a loss it saw first.
+            return
         if not claim_report(renewal):
             return  # the guard's commit found it first and said so
         self._log(

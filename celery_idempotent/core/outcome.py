@@ -3,7 +3,9 @@
 :class:`Outcome` is what :meth:`DistributedIdempotencyGuard.run
 <celery_idempotent.core.guard.DistributedIdempotencyGuard.run>` returns, :class:`GuardEvent` what
 it reports to ``on_event``; :func:`current_lease` is readable from inside the body (and from
-:func:`celery_idempotent.current_connection`), set by the guard with :func:`running_under`.
+:func:`celery_idempotent.current_connection`), set by the guard with :func:`running_under`;
+:func:`require_lease` is the same lease, typed without ``None``, for code that only runs in a
+guarded body.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from celery_idempotent.core.protocols import Lease
 
-__all__ = ["ABSENT", "GuardEvent", "Outcome", "current_lease", "running_under"]
+__all__ = ["ABSENT", "GuardEvent", "Outcome", "current_lease", "require_lease", "running_under"]
 
 T = TypeVar("T")
 
@@ -33,13 +35,34 @@ _current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
 
 
 def current_lease() -> Lease | None:
-    """The lease under which the current guarded body runs, or ``None`` outside of one.
+    """The lease under which the current guarded body runs, or ``None`` outside of one (a
+    direct call of the task's function, a test): use it to ask whether code runs guarded.
 
-    Pass ``current_lease().fencing_token`` to a downstream system that can refuse writes
-    carrying a token older than one it has already seen: a body whose lease expired (a
-    stalled worker) is then stopped at the door even if it keeps running.
+    In a body, :func:`require_lease` gives the same lease typed as a :class:`Lease`, so
+    ``require_lease().fencing_token`` type-checks without a ``None`` test.
     """
     return _current_lease.get()
+
+
+def require_lease() -> Lease:
+    """The lease under which the current guarded body runs.
+
+    Pass ``require_lease().fencing_token`` to a downstream system that can refuse writes
+    carrying a token older than one it has already seen: a body whose lease expired (a
+    stalled worker) is then stopped at the door even if it keeps running.
+
+    :raises RuntimeError: outside a guarded body (no lease to fence with): a direct call
+        ``task(...)`` of an ``IdempotentTask``, which runs the function plainly, or code that
+        the guard did not call. :func:`current_lease` returns ``None`` there instead.
+    """
+    lease = _current_lease.get()
+    if lease is None:
+        raise RuntimeError(
+            "require_lease() was called outside a guarded body: there is no lease (a direct "
+            "call task(...) runs the function without the guard; use .delay(), .apply() or "
+            "DistributedIdempotencyGuard.run, or current_lease() to test for None)"
+        )
+    return lease
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,14 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
     "AtomicBackend",
+    "ChecksPublishes",
     "Claim",
     "IdempotencyRecord",
     "IdempotencyStore",
     "Lease",
     "LockProvider",
     "PairsAtomically",
+    "PublishDecision",
     "check_implements",
     "required_methods",
 ]
@@ -96,6 +98,44 @@ class IdempotencyStore(Protocol):
 
     def delete(self, key: str) -> bool:
         """Remove the record; ``True`` when there was one."""
+
+
+class PublishDecision(NamedTuple):
+    """What a store's ``check_publish`` decided (see :class:`ChecksPublishes`).
+
+    ``action``: ``"publish"`` (the marker is set, or the check could not decide: ``unchecked``),
+    ``"completed"`` (``record`` holds the stored result), ``"queued"`` (queued or running as
+    ``task_id``) or ``"mismatch"`` (queued or running with ``stored_fingerprint``).
+    """
+
+    action: str
+    task_id: str | None = None
+    record: IdempotencyRecord | None = None
+    stored_fingerprint: str | None = None
+    unchecked: bool = False
+
+
+@runtime_checkable
+class ChecksPublishes(Protocol):
+    """A store that can stop a duplicate at publish (``apply_async``): the capability the
+    publish side asks for (the Redis store and the PostgreSQL backend have it; a store
+    without it leaves every publish to the run-time guard).
+
+    ``check_publish`` decides in one round trip whether the call is published: the key's
+    ``record`` name is completed (its record), queued or running under another task id (that
+    id, or a mismatch of fingerprints), or free, in which case it sets a "queued" marker
+    naming ``task_id`` that lives ``publish_ttl`` seconds (until a delivery commits a record
+    over it or :meth:`drop_queued` removes it). ``lock`` is the key's lock resource. A check
+    that cannot decide says "publish" with ``unchecked=True`` (the guard decides at run time).
+    """
+
+    def check_publish(
+        self, record: str, lock: str, task_id: str, fingerprint: str | None, publish_ttl: float
+    ) -> PublishDecision:
+        """Decide a publish of ``task_id`` (see the class docstring)."""
+
+    def drop_queued(self, record: str, task_id: str) -> bool:
+        """Remove ``task_id``'s queued marker of ``record``; ``False`` when it is not there."""
 
 
 class AtomicBackend(Protocol):

@@ -333,9 +333,14 @@ class IdempotencyTester:
         ):
             raise ValueError(f"the key of {task.name} is the task id: pass task_id=")
         headers = {"idempotency_key": key} if key is not None else {}
-        task.push_request(id=task_id, headers=headers, args=list(args), kwargs=dict(kwargs or {}))
+        # The arguments as a worker receives them (through the task's serializer): one identity.
+        # (Imported here: loading the plugin must not import kombu or Celery.)
+        from celery_idempotent.celery.keys import as_received  # noqa: PLC0415
+
+        call_args, call_kwargs = as_received(task, args, kwargs)
+        task.push_request(id=task_id, headers=headers, args=list(call_args), kwargs=call_kwargs)
         try:
-            return str(task.idempotency_key_for(tuple(args), dict(kwargs or {})))
+            return str(task.idempotency_key_for(call_args, call_kwargs))
         finally:
             task.pop_request()
 

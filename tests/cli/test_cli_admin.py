@@ -378,7 +378,11 @@ def test_task_names_and_prefixes_are_glob_escaped(
         guard.execute(key, lambda: 1)
 
     doc = as_json(
-        ok(run_cli("forget", "--task", "tasks.a*", "--prefix", prefix, "--yes", "--json"))
+        ok(
+            run_cli(
+                "forget", "--task", "tasks.a*", "--any-task", "--prefix", prefix, "--yes", "--json"
+            )
+        )
     )
     assert doc["deleted"] == {"records": 1, "locks": 0}
     stats = as_json(ok(run_cli("stats", "--prefix", prefix, "--json")))
@@ -414,14 +418,17 @@ def test_shortened_keys(
         "(shortened)": {"completed": 2, "in_progress": 0, "queued": 0},
         "(no task)": {"completed": 1, "in_progress": 0, "queued": 0},
     }
-    only = as_json(ok(run_cli("stats", "--task", mid_task, "--json")))["tasks"]
+    only = as_json(ok(run_cli("stats", "--task", mid_task, "--any-task", "--json")))["tasks"]
     assert only == {mid_task: {"completed": 1, "in_progress": 0, "queued": 0}}
 
-    assert "deleted 1 record(s)" in ok(run_cli("forget", "--task", mid_task, "-y")).stdout
-    done = ok(run_cli("forget", "--task", long_task, "--yes"))
+    assert (
+        "deleted 1 record(s)"
+        in ok(run_cli("forget", "--task", mid_task, "--any-task", "-y")).stdout
+    )
+    done = ok(run_cli("forget", "--task", long_task, "--any-task", "--yes"))
     assert "deleted 1 record(s)" in done.stdout
     assert "cannot be attributed" in done.stderr
-    doc = as_json(ok(run_cli("inspect", long_key, "--task", long_task, "--json")))
+    doc = as_json(ok(run_cli("inspect", long_key, "--task", long_task, "--any-task", "--json")))
     assert doc["state"] == "completed"  # the unattributable one was left alone
     assert "deleted 2 record(s)" in ok(run_cli("forget", "--task", "cliadmin.charge", "-y")).stdout
 
@@ -509,7 +516,7 @@ def test_settings_come_from_the_app_and_url_overrides(
         (("inspect", "payment-42"), "--task NAME is needed"),
         (("inspect", "--task", "cliadmin.charge"), "name one key"),
         (("inspect", "k", "--task", "cliadmin.charge", "--task-id", "x"), "name one key"),
-        (("inspect", "--task", "nope.task", "--args", "[1]"), "registered IdempotentTask"),
+        (("inspect", "--task", "nope.task", "--args", "[1]"), "defines no IdempotentTask"),
         (("inspect", "--task", "cliadmin.report", "--args", "[1]"), "use --task-id"),
         (("inspect", "--task", "cliadmin.charge", "--args", "{}"), "JSON list"),
         (("forget",), "pass --task NAME"),

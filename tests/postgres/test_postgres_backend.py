@@ -318,9 +318,9 @@ def test_a_lost_commit_reply_is_answered_from_the_database(
     real = PostgresBackend._flight
     lost: list[bool] = []
 
-    def flight(conn: Any, statements: Any) -> Any:
-        results = real(conn, statements)
-        if statements and statements[-1][0] == "COMMIT" and not lost:
+    def flight(conn: Any, statements: Any, cursors: Any = None) -> Any:
+        results = real(conn, statements, cursors)
+        if any(sql == "COMMIT" for sql, _ in statements) and not lost:
             lost.append(True)
             conn.close()  # the reply "never arrived": the connection is gone
             raise ConnectionError("reply lost")
@@ -348,8 +348,8 @@ def test_a_commit_that_never_left_is_reported_not_stored(
     real = PostgresBackend._flight
     cut: list[bool] = []
 
-    def flight(conn: Any, statements: Any) -> Any:
-        if statements and statements[-1][0] == "COMMIT" and not cut:
+    def flight(conn: Any, statements: Any, cursors: Any = None) -> Any:
+        if any(sql == "COMMIT" for sql, _ in statements) and not cut:
             cut.append(True)
             pid = conn.info.backend_pid
             conn.close()
@@ -359,7 +359,7 @@ def test_a_commit_that_never_left_is_reported_not_stored(
                 ).fetchone() != (0,):
                     time.sleep(0.01)
             raise ConnectionError("connection lost before the commit")
-        return real(conn, statements)
+        return real(conn, statements, cursors)
 
     monkeypatch.setattr(PostgresBackend, "_flight", staticmethod(flight))
 

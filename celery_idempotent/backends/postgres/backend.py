@@ -19,13 +19,17 @@ from celery_idempotent import transactions
 from celery_idempotent.backends.postgres.connections import (
     PsycopgTransactions,
     Transaction,
+    ended_by_body,
     import_psycopg,
     split_url,
 )
 from celery_idempotent.backends.postgres.sql import (
     DEFAULT_TABLE,
     DIVISION_BY_ZERO,
+    ENDED_MARK,
+    INVALID_TEXT_REPRESENTATION,
     LOCK_NOT_AVAILABLE,
+    PUBLISH_PARAMS,
     Statements,
     check_table,
     decode_row,
@@ -34,8 +38,8 @@ from celery_idempotent.backends.postgres.sql import (
     record_columns,
 )
 from celery_idempotent.core.codec import ResultCodec
-from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.core.exceptions import IdempotencyConnectionError, IdempotencyKeyHeldError
+from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
 from celery_idempotent.core.validate import check_duration
 from celery_idempotent.urls import redact
 
@@ -124,10 +128,23 @@ class PostgresBackend(PsycopgTransactions):
 
     # -- lock provider ------------------------------------------------------------------------
 
-    def _row(self, name: str) -> str:
-        """The row of a lock resource or record key: ``P lock:{K}`` and ``P{K}`` share one."""
-        at = name.find("lock:{")
-        return name[:at] + name[at + 5 :] if at >= 0 else name
+    @staticmethod
+    def _row(key: str) -> str:
+        """The row of a record key ``P{K}``: the key itself."""
+        return key
+
+    @staticmethod
+    def _lock_row(resource: str) -> str:
+        """The row of a lock resource: ``P lock:{K}`` shares the row of the record ``P{K}``.
+
+        A prefix ``P`` has no braces (the settings and the guard refuse them), so the first
+        ``{`` opens the key, and the ``lock:`` just before it is the lock's, whatever ``P``
+        holds (``"mylock:"`` included). A resource of another shape is a row of its own.
+        """
+        at = resource.find("{")
+        if at >= 5 and resource[at - 5 : at] == "lock:":
+            return resource[: at - 5] + resource[at:]
+        return resource
 
     def _claim_statements(self, row: str, lock_only: bool) -> list[tuple[str, Sequence[Any]]]:
         ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
@@ -150,6 +167,7 @@ class PostgresBackend(PsycopgTransactions):
         if claimed:
             lease = Lease(resource, uuid.uuid4().hex, int(claimed[0][0]))
             tx.lease = lease
+            tx.xid = int(claimed[0][1])
             self._open[lease.token] = tx
             transactions.register(lease.token, self._connection_of(tx))
             return Claim(lease, None)
@@ -162,7 +180,7 @@ class PostgresBackend(PsycopgTransactions):
         """Lock ``resource``'s row in a new transaction (``ttl`` is checked, not used: the
         lease lasts as long as the transaction); ``None`` when held past ``lock_timeout``."""
         check_duration("ttl", ttl)
-        return self._claim(resource, self._row(resource), lock_only=True).lease
+        return self._claim(resource, self._lock_row(resource), lock_only=True).lease
 
     def extend(self, lease: Lease, ttl: float) -> bool:
         """``True`` while the lease's transaction is open on a healthy connection (no I/O)."""
@@ -175,6 +193,7 @@ class PostgresBackend(PsycopgTransactions):
         tx = self._open.pop(lease.token, None)
         if tx is None:
             return False
+        tx.lent = transactions.lent(lease.token)
         transactions.unregister(lease.token)
         alive = self._alive(tx)
         self._rollback(tx)
@@ -182,7 +201,7 @@ class PostgresBackend(PsycopgTransactions):
 
     def is_locked(self, resource: str) -> bool:
         """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
-        row = self._row(resource)
+        row = self._lock_row(resource)
         statements = [
             (self.sql.lock_timeout, ("1ms",)),
             (self.sql.insert, (row,)),
@@ -236,6 +255,83 @@ class PostgresBackend(PsycopgTransactions):
             raise
         return bool(done[1])
 
+    # -- publish side (ChecksPublishes) --------------------------------------------------------
+
+    def check_publish(
+        self, record: str, lock: str, task_id: str, fingerprint: str | None, publish_ttl: float
+    ) -> PublishDecision:
+        """Decide a publish of ``task_id`` in one statement (one round trip): the key's row
+        holds a live record (``completed``), a live queued marker of another call
+        (``queued``, or ``mismatch`` under another fingerprint; also while that call runs,
+        as a running delivery's row shows its marker to other sessions until it commits), or
+        neither: then the marker is set and the answer is ``publish``. A row that a running
+        delivery holds without a marker (it was published unchecked) and an insert that
+        waited past ``lock_timeout`` are ``publish`` unchecked: the guard decides at run
+        time. ``lock`` names the same row. See :attr:`Statements.publish`."""
+        ttl = check_duration("publish_ttl", publish_ttl)
+        row = self._row(record)
+        values = {
+            "wait": f"{max(1, round(self.lock_timeout * 1000))}ms",
+            "sync": "off",  # a transaction of its own (see Statements.publish)
+            "key": row,
+            "tid": str(task_id),
+            "fp": fingerprint,
+            "now": time.time(),
+            "ttl": ttl,
+        }
+        params = tuple(values[name] for name in PUBLISH_PARAMS)
+        for _ in range(3):  # a concurrent publisher or commit won between read and insert
+            try:
+                found = self._publish_statement(params)
+            except Exception as exc:
+                if is_pg_error(exc, LOCK_NOT_AVAILABLE):
+                    return PublishDecision("publish", unchecked=True)
+                if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
+                    raise IdempotencyConnectionError(record, f"publish check: {exc}") from exc
+                raise
+            decision = self._publish_decision(row, fingerprint, found[0])
+            if decision is not None:
+                return decision
+        return PublishDecision("publish", unchecked=True)
+
+    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+        """The statement in a transaction of its own (one flight)."""
+        result: list[Any] = self.autocommit([(self.sql.publish, params)])[0]
+        return result
+
+    def _publish_decision(
+        self, row: str, fingerprint: str | None, found: Sequence[Any]
+    ) -> PublishDecision | None:
+        decided, written = found[0], int(found[1])
+        state, stored_fp, ctype, encoding, data, created_at, fence = found[2:9]
+        if decided == "completed":
+            stored = decode_row(
+                self.codec, row, (state, stored_fp, ctype, encoding, data, created_at, fence)
+            )
+            return PublishDecision("completed", None, stored, stored.fingerprint)
+        if decided == "own":
+            return PublishDecision("publish")
+        if decided == "queued":
+            first = bytes(data).decode("utf-8", "replace") if data is not None else None
+            if fingerprint and stored_fp and stored_fp != fingerprint:
+                return PublishDecision("mismatch", first, None, stored_fp)
+            return PublishDecision("queued", first)
+        if decided == "running":
+            return PublishDecision("publish", unchecked=True)
+        return PublishDecision("publish") if written else None
+
+    def drop_queued(self, record: str, task_id: str) -> bool:
+        """Delete ``task_id``'s queued marker row of ``record``; ``False`` when the row holds
+        something else (a record committed since, another call's marker) or is gone."""
+        row = self._row(record)
+        try:
+            done = self.autocommit([(self.sql.drop_queued, (row, str(task_id)))])
+        except Exception as exc:
+            if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
+                raise IdempotencyConnectionError(record, f"queued marker delete: {exc}") from exc
+            raise
+        return bool(done[0])
+
     def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
         """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
         return self if lock_provider is self else None
@@ -265,12 +361,18 @@ class PostgresBackend(PsycopgTransactions):
             except ConnectionError:
                 self._unconfirmed[lease.token] = pending
                 raise
+        ended = self._ended(tx)
+        if ended is not None:
+            self.release(lease)
+            raise ended_by_body(aborted=ended)
         if not self._alive(tx):
             self.release(lease)
             return False
         params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
+        tx.lent = transactions.lent(lease.token)
+        statements = [(self.sql.same_transaction, (tx.xid,)), (self.sql.commit, params)]
         try:
-            self._run(tx, [(self.sql.commit, params)], commit=True)
+            self._run(tx, statements, commit=True)
         except ConnectionError:
             self._forget(lease, tx)  # the verification runs on another connection
             self._unconfirmed[lease.token] = tx.pid
@@ -280,13 +382,32 @@ class PostgresBackend(PsycopgTransactions):
             self._rollback(tx)
             if is_pg_error(exc, DIVISION_BY_ZERO):
                 return False  # the row is not this lease's: nothing committed
+            if is_pg_error(exc, INVALID_TEXT_REPRESENTATION) and ENDED_MARK in str(exc):
+                raise ended_by_body(aborted=False) from exc
             raise
         self._forget(lease, tx)
         self._finish(tx)
         self._maybe_cleanup()
         return True
 
+    @staticmethod
+    def _ended(tx: Transaction) -> bool | None:
+        """Whether the body left the guard's transaction (no I/O): ``None`` while it is still
+        in it (or the connection is lost: not the body's doing), ``False`` when the session is
+        idle (the body sent COMMIT or ROLLBACK), ``True`` when a failed statement aborted it."""
+        raw = tx.raw
+        if raw is None or not hasattr(raw, "pgconn") or raw.closed or raw.broken:
+            return None
+        status = raw.info.transaction_status
+        psycopg = import_psycopg()
+        if status == psycopg.pq.TransactionStatus.IDLE:
+            return False
+        if status == psycopg.pq.TransactionStatus.INERROR:
+            return True
+        return None
+
     def _forget(self, lease: Lease, tx: Transaction) -> None:
+        tx.lent = tx.lent or transactions.lent(lease.token)
         self._open.pop(lease.token, None)
         transactions.unregister(lease.token)
 
@@ -318,6 +439,11 @@ class PostgresBackend(PsycopgTransactions):
         rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
         n = self.cleanup_batch if limit is None else limit
         return int(self.autocommit([(self.sql.cleanup, (n,))])[0])
+
+
+def _is_operational(exc: BaseException) -> bool:
+    """A driver's "the server or the connection failed" (psycopg's or Django's)."""
+    return any(cls.__name__ in ("OperationalError", "InterfaceError") for cls in type(exc).__mro__)
 
 
 def _jitter() -> float:

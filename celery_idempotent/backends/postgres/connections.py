@@ -16,18 +16,20 @@ import os
 import threading
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from celery_idempotent.backends.postgres.sql import LOCK_NOT_AVAILABLE, Statements, ddl, is_pg_error
 from celery_idempotent.core import green
-from celery_idempotent.core.exceptions import IdempotencyConnectionError
+from celery_idempotent.core.exceptions import IdempotencyBackendError, IdempotencyConnectionError
 from celery_idempotent.core.protocols import Lease
 
 __all__ = [
     "KEEPALIVES",
+    "SESSION_RESET",
     "PsycopgTransactions",
     "Rollback",
     "Transaction",
+    "ended_by_body",
     "hold",
     "import_psycopg",
     "raw_alive",
@@ -50,7 +52,7 @@ class Rollback(Exception):
 class Transaction:
     """One open guarded transaction (a lease): its connection and how to end it."""
 
-    __slots__ = ("block", "conn", "key", "lease", "pid", "raw")
+    __slots__ = ("block", "conn", "key", "lease", "lent", "pid", "raw", "xid")
 
     def __init__(self, conn: Any, block: Any, key: str, raw: Any) -> None:
         self.conn = conn
@@ -59,6 +61,20 @@ class Transaction:
         self.lease: Lease | None = None
         self.raw = raw  # the psycopg connection (conn itself, or under Django's wrapper)
         self.pid: int | None = raw.info.backend_pid if raw is not None else None
+        #: the transaction id the claim was made in (the body must end in the same one)
+        self.xid: int | None = None
+        #: whether the body was handed the connection (current_connection()): then whatever
+        #: session state it left is reset before the connection is pooled again
+        self.lent = False
+
+
+#: Sent after the guard's COMMIT or ROLLBACK, in the same flight, on a connection the body was
+#: handed: the session as it came out of the pool (settings and ``SET ROLE`` / ``SESSION
+#: AUTHORIZATION`` reset to the connection's own, temporary tables dropped, session advisory
+#: locks released, prepared statements and ``WITH HOLD`` cursors closed, ``LISTEN`` undone).
+#: Settings given at connection time (the URL's ``options``, the keepalives) are what ``RESET``
+#: returns to, so they stay.
+SESSION_RESET = "DISCARD ALL"
 
 
 def hold(conn: Any, delta: int) -> None:
@@ -249,26 +265,35 @@ class PsycopgTransactions:
             raise
 
     @staticmethod
-    def _flight(conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        """Send ``statements`` in one pipeline and return each one's rows (or row count)."""
-        cursors = []
+    def _flight(
+        conn: Any,
+        statements: Sequence[tuple[str, Sequence[Any]]],
+        cursors: list[Any] | None = None,
+    ) -> list[Any]:
+        """Send ``statements`` in one pipeline and return each one's rows (or row count).
+        ``cursors``, when given, receives each statement's cursor as it is sent (after an
+        error, those before it carry their ``statusmessage``)."""
+        sent = [] if cursors is None else cursors
         with conn.pipeline():
             for sql, params in statements:
                 cur = conn.cursor()
+                sent.append(cur)
                 cur.execute(sql, params or None)
-                cursors.append(cur)
-        return [cur.rowcount if cur.description is None else cur.fetchall() for cur in cursors]
+        return [cur.rowcount if cur.description is None else cur.fetchall() for cur in sent]
 
-    def _end(self, conn: Any, *, commit: bool) -> None:
-        """ROLLBACK whatever is open (closing the connection when that fails), then pool it."""
+    def _end(self, conn: Any, *, commit: bool, reset: bool = False) -> None:
+        """ROLLBACK whatever is open (and, with ``reset``, :data:`SESSION_RESET`: one flight;
+        closing the connection when either fails), then pool it."""
         psycopg = import_psycopg()
         try:
-            if (
-                not conn.closed
-                and not conn.broken
-                and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
-            ):
-                conn.execute("COMMIT" if commit else "ROLLBACK")
+            if not conn.closed and not conn.broken:
+                statements = []
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    statements.append(("COMMIT" if commit else "ROLLBACK", ()))
+                if reset:
+                    statements.append((SESSION_RESET, ()))
+                if statements:
+                    self._flight(conn, statements)
         except Exception:
             log.debug("ending the transaction failed; closing the connection", exc_info=True)
             conn.close()
@@ -277,31 +302,48 @@ class PsycopgTransactions:
     def _run(
         self, tx: Transaction, statements: Sequence[tuple[str, Sequence[Any]]], *, commit: bool
     ) -> list[Any]:
-        """Run ``statements`` in ``tx`` (and COMMIT, when asked) in one flight."""
+        """Run ``statements`` in ``tx`` (and COMMIT, when asked, then :data:`SESSION_RESET`
+        when the body was handed the connection) in one flight."""
         psycopg = import_psycopg()
         conn = tx.conn
+        tail: list[tuple[str, Sequence[Any]]] = []
         if commit:
             if tx.block:
                 hold(conn, -1)
                 tx.block = False
-            if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
-                # The body ended the guard's transaction itself (a raw COMMIT or ROLLBACK):
-                # whatever it committed is not this commit's to vouch for.
-                raise RuntimeError("the guard's transaction was ended inside the body")
-            statements = [*statements, ("COMMIT", ())]
+            status = conn.info.transaction_status
+            if status != psycopg.pq.TransactionStatus.INTRANS:
+                raise ended_by_body(status == psycopg.pq.TransactionStatus.INERROR)
+            tail.append(("COMMIT", ()))
+            if tx.lent:
+                tail.append((SESSION_RESET, ()))
+        cursors: list[Any] = []
         try:
-            results = self._flight(conn, statements)
+            results = self._flight(conn, [*statements, *tail], cursors)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise ConnectionError(f"PostgreSQL: {exc}") from exc
+            if (
+                len(tail) == 2
+                and len(cursors) == len(statements) + 2
+                and cursors[-2].statusmessage == "COMMIT"
+            ):
+                # Committed; only the reset failed: the record stands, and the session is
+                # not one to pool again.
+                log.warning("resetting a PostgreSQL session failed (%s); closing it", exc)
+                conn.close()
+                return [
+                    cur.rowcount if cur.description is None else cur.fetchall()
+                    for cur in cursors[: len(statements)]
+                ]
             raise
-        return results[: len(results) - 1] if commit else results
+        return results[: len(statements)]
 
     def _rollback(self, tx: Transaction) -> None:
         if tx.block:
             hold(tx.conn, -1)
             tx.block = False
-        self._end(tx.conn, commit=False)
+        self._end(tx.conn, commit=False, reset=tx.lent)
 
     def _finish(self, tx: Transaction) -> None:
         self._put(tx.conn)
@@ -318,6 +360,26 @@ class PsycopgTransactions:
 
     def _connection_of(self, tx: Transaction) -> Any:
         return tx.conn
+
+
+def ended_by_body(aborted: bool) -> Exception:
+    """The error a commit is refused with when the body did not leave the guard's transaction
+    as it found it (``aborted``: a statement of the body failed, and the body went on)."""
+    if aborted:
+        what = (
+            "a statement of the body failed and aborted the guard's transaction, and the body "
+            "carried on (the error was caught): PostgreSQL will commit none of it"
+        )
+    else:
+        what = (
+            "the body ended the guard's transaction itself (a COMMIT or ROLLBACK sent on "
+            "current_connection(), raw SQL or a driver call): what it wrote before that was "
+            "committed or rolled back without the record, and the key's row lock was released "
+            "while the body still ran"
+        )
+    return IdempotencyBackendError(
+        None, f"{what}; the record is not committed and the key is free to run again"
+    )
 
 
 def import_psycopg() -> Any:
@@ -359,4 +421,6 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in OURS}
     rest = [(k, v) for k, v in query if k not in OURS]
-    return urlunsplit(parts._replace(query=urlencode(rest))), ours
+    # quote, not quote_plus: libpq reads '+' in a URI as a plus sign, not a space, so
+    # '?options=-c%20work_mem%3D3MB' must not come out as '-c+work_mem=3MB'.
+    return urlunsplit(parts._replace(query=urlencode(rest, quote_via=quote))), ours

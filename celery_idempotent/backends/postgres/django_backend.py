@@ -9,8 +9,10 @@ from typing import Any
 from celery_idempotent.backends.postgres.backend import PostgresBackend
 from celery_idempotent.backends.postgres.connections import Rollback, Transaction, raw_alive
 from celery_idempotent.backends.postgres.sql import (
+    DEFAULT_TABLE,
     DIVISION_BY_ZERO,
     LOCK_NOT_AVAILABLE,
+    PUBLISH_PARAMS,
     ddl,
     is_pg_error,
 )
@@ -19,6 +21,12 @@ from celery_idempotent.core.exceptions import IdempotencyConnectionError
 __all__ = ["DjangoBackend"]
 
 log = logging.getLogger("celery_idempotent")
+
+
+def _app_installed() -> bool:
+    from celery_idempotent.contrib.django import is_installed  # noqa: PLC0415
+
+    return is_installed()
 
 
 class DjangoBackend(PostgresBackend):
@@ -88,6 +96,18 @@ class DjangoBackend(PostgresBackend):
             cur.execute(self.sql.exists, list(self.sql.exists_params))
             row = cur.fetchone()
             if not (row and row[0]):
+                if _app_installed():
+                    raise IdempotencyConnectionError(
+                        None,
+                        f"table {self.table} does not exist on django://{self.alias}: with "
+                        "celery_idempotent.contrib.django installed the backend runs no DDL; "
+                        + (
+                            "run `manage.py migrate celery_idempotent`"
+                            if self.table == DEFAULT_TABLE
+                            else "create it with `celery -A proj idempotency sql` (the "
+                            f"app's migrations create {DEFAULT_TABLE} only)"
+                        ),
+                    )
                 if not self.create_table:
                     raise IdempotencyConnectionError(
                         None, f"table {self.table} does not exist and create_table=False"
@@ -143,6 +163,31 @@ class DjangoBackend(PostgresBackend):
         tx, results = self._begin("", statements)
         tx.block.__exit__(None, None, None)
         return results
+
+    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+        """One statement on Django's connection: in autocommit (one round trip) outside an
+        atomic block; inside one (a view under ATOMIC_REQUESTS) it joins that transaction,
+        so the marker commits with the caller's writes (publish from
+        ``transaction.on_commit`` so that the row is not held until then)."""
+        conn = self._db()
+        if not self._ready and not conn.in_atomic_block:
+            self._django_ensure_table(conn)
+        if conn.in_atomic_block:  # the caller's transaction: leave its durability alone
+            params = [
+                None if name == "sync" else value for name, value in zip(PUBLISH_PARAMS, params)
+            ]
+        try:
+            with conn.cursor() as cur:
+                cur.execute(self.sql.publish, list(params))
+                return list(cur.fetchall())
+        except Exception as exc:
+            from django.db import InterfaceError, OperationalError  # noqa: PLC0415
+
+            if isinstance(exc, (OperationalError, InterfaceError)) and not is_pg_error(
+                exc, LOCK_NOT_AVAILABLE
+            ):
+                raise ConnectionError(f"PostgreSQL (django://{self.alias}): {exc}") from exc
+            raise
 
     def _connection_of(self, tx: Transaction) -> Any:
         return tx.conn

@@ -15,7 +15,10 @@ from celery_idempotent.core.protocols import IdempotencyRecord
 __all__ = [
     "DEFAULT_TABLE",
     "DIVISION_BY_ZERO",
+    "ENDED_MARK",
+    "INVALID_TEXT_REPRESENTATION",
     "LOCK_NOT_AVAILABLE",
+    "PUBLISH_PARAMS",
     "Statements",
     "check_table",
     "ddl",
@@ -30,6 +33,9 @@ DEFAULT_TABLE = "celery_idempotency"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}(\.[A-Za-z_][A-Za-z0-9_]{0,47})?$")
 LOCK_NOT_AVAILABLE = "55P03"
 DIVISION_BY_ZERO = "22012"
+INVALID_TEXT_REPRESENTATION = "22P02"
+#: In the error :attr:`Statements.same_transaction` raises when the transaction changed.
+ENDED_MARK = "celery-idempotent: the guard's transaction was ended in the body"
 
 
 def quote_table(table: str) -> str:
@@ -106,12 +112,23 @@ class Statements:
         self.claim = (
             f"UPDATE {t} SET state = 'running', fencing_token = nextval('{self.seq}') "
             "WHERE key = %s AND (state <> 'completed' OR expires_at <= statement_timestamp()) "
-            "RETURNING fencing_token"
+            "RETURNING fencing_token, txid_current()"
         )
         # Lock only (LockProvider.acquire): the row whatever it holds.
         self.lock = (
             f"UPDATE {t} SET fencing_token = nextval('{self.seq}') WHERE key = %s "
-            "RETURNING fencing_token"
+            "RETURNING fencing_token, txid_current()"
+        )
+        # Sent first in a commit's flight: an error unless the transaction is still the one
+        # the claim was made in (its id, from the claim's RETURNING). A body that sent COMMIT
+        # or ROLLBACK and then BEGIN (raw SQL) is in a new transaction: the row lock and
+        # whatever it wrote before are gone, so nothing may commit as if they were not. The
+        # error is a cast of a text that depends on a volatile call (so the planner cannot
+        # fold it away): 22P02 with ENDED_MARK in its message, in the server's log too.
+        mark = ENDED_MARK.replace("'", "''")
+        self.same_transaction = (
+            f"SELECT ('{mark} (transaction ' || coalesce(txid_current_if_assigned()::text, "
+            "'none') || ')')::int WHERE txid_current_if_assigned() IS DISTINCT FROM %s"
         )
         self.select = (
             f"SELECT {fields} FROM {t} WHERE key = %s AND state = 'completed' "
@@ -150,6 +167,62 @@ class Statements:
             "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
             "FOR UPDATE SKIP LOCKED))"
         )
+        # The publish side's decision (ChecksPublishes.check_publish) as one statement, so it
+        # is one round trip in autocommit. A queued marker is a row in state 'queued' whose
+        # result column holds the task id (utf-8), whose fingerprint is the call's and which
+        # expires after the publish ttl; a claim takes such a row as it takes a free one, a
+        # commit overwrites it with the record. What the statement sees:
+        #   seen:  the row as committed (an MVCC read: never waits)
+        #   free:  the row if no transaction holds it (SKIP LOCKED: never waits), now ours
+        #   cfg:   lock_timeout for the insert, which may wait for a key's first claim (its
+        #          row inserted, not committed yet): past it, 55P03 and the caller decides
+        #          "publish unchecked"; synchronous_commit off in a transaction of its own
+        #          (no WAL flush wait: a marker a server crash loses only lets a duplicate
+        #          through to the run-time guard, which replays it)
+        # decide: 'completed' (a live record), 'own' (a live marker of this task id), 'queued'
+        # (a live marker of another: queued, or running as that call), 'running' (held by a
+        # transaction without a live marker or record: a call published without the check),
+        # or 'mark' (set the marker: the row is free, expired or absent). 'mark' with no row
+        # written means a concurrent publisher or commit won between the read and the
+        # insert: the caller checks again. Parameters: see PUBLISH_PARAMS.
+        self.publish = (
+            "WITH cfg AS (SELECT current_setting('lock_timeout') AS before, "
+            "set_config('lock_timeout', %s, true) AS v, set_config('synchronous_commit', "
+            "COALESCE(%s, current_setting('synchronous_commit')), true) AS sc), "
+            f"seen AS (SELECT state, fingerprint, content_type, content_encoding, result, "
+            "created_at, fencing_token, expires_at > statement_timestamp() AS live, "
+            f"extract(epoch FROM expires_at - statement_timestamp()) AS ttl FROM {t} "
+            "WHERE key = %s), "
+            f"free AS (SELECT key FROM {t} WHERE key = %s FOR UPDATE SKIP LOCKED), "
+            "decide AS (SELECT CASE "
+            "WHEN NOT EXISTS (SELECT 1 FROM seen) THEN 'mark' "
+            "WHEN (SELECT live AND state = 'completed' FROM seen) THEN 'completed' "
+            "WHEN (SELECT live AND state = 'queued' FROM seen) THEN CASE WHEN "
+            "(SELECT result FROM seen) = convert_to(%s, 'UTF8') THEN 'own' ELSE 'queued' END "
+            "WHEN NOT EXISTS (SELECT 1 FROM free) THEN 'running' "
+            "ELSE 'mark' END AS d FROM cfg), "
+            f"put AS (INSERT INTO {t} AS r (key, state, fingerprint, content_type, "
+            "content_encoding, result, created_at, expires_at) "
+            "SELECT %s, 'queued', %s, NULL, NULL, convert_to(%s, 'UTF8'), "
+            "%s, statement_timestamp() + make_interval(secs => %s) "
+            "FROM decide WHERE d = 'mark' "
+            "ON CONFLICT (key) DO UPDATE SET state = 'queued', fingerprint = EXCLUDED.fingerprint, "
+            "content_type = NULL, content_encoding = NULL, result = EXCLUDED.result, "
+            "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at "
+            "WHERE NOT (r.state IN ('completed', 'queued') "
+            "AND r.expires_at > statement_timestamp()) RETURNING 1) "
+            "SELECT (SELECT d FROM decide), (SELECT count(*) FROM put), "
+            "s.state, s.fingerprint, s.content_type, s.content_encoding, s.result, "
+            "s.created_at, s.fencing_token, s.ttl, "
+            # after the insert (read on the left): the caller's lock_timeout again, which
+            # matters when the statement ran inside the caller's transaction (Django)
+            "(SELECT set_config('lock_timeout', before, true) FROM cfg) "
+            "FROM (SELECT 1) AS one LEFT JOIN seen AS s ON true"
+        )
+        self.drop_queued = (
+            f"DELETE FROM {t} WHERE key = %s AND state = 'queued' "
+            "AND result = convert_to(%s, 'UTF8')"
+        )
         # A plain MVCC read of the catalog (to_regclass may answer from a catalog snapshot
         # taken before a concurrent creator committed).
         self.exists = (
@@ -160,6 +233,10 @@ class Statements:
         schema_name = schema.rstrip(".")
         self.exists_params = (name, name + "_fencing", schema_name, schema_name)
         self.ddl_lock = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+
+
+#: The order of :attr:`Statements.publish`'s parameters.
+PUBLISH_PARAMS = ("wait", "sync", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
 
 
 def record_columns(

@@ -40,6 +40,7 @@ __all__ = [
     "install",
     "is_redis_transport",
     "kombu_problem",
+    "travels_with_push",
 ]
 
 log = logging.getLogger("celery_idempotent")
@@ -69,6 +70,12 @@ class Pending:
 class Stopped(Exception):
     """Raised out of kombu's publish when the check decided not to publish (the decision is
     on the :class:`Pending`); nothing was pushed."""
+
+
+def travels_with_push(store: Any) -> bool:
+    """Whether ``store``'s publish check can travel with kombu's Redis push (one script for
+    both): a :class:`RedisIdempotencyStore`; other stores are checked before the publish."""
+    return isinstance(store, RedisIdempotencyStore)
 
 
 def goes_through(decision: PublishDecision, task_id: str) -> bool:

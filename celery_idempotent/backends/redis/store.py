@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from celery_idempotent import keyspace
 from celery_idempotent.backends.redis import client as redis_client
@@ -26,7 +26,7 @@ from celery_idempotent.core.exceptions import (
     IdempotencyConnectionError,
     RecordDecodeError,
 )
-from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
+from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
 from celery_idempotent.core.validate import check_count, check_duration
 
 __all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
@@ -36,21 +36,6 @@ log = logging.getLogger("celery_idempotent")
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-class PublishDecision(NamedTuple):
-    """What :meth:`RedisIdempotencyStore.check_publish` decided.
-
-    ``action``: ``"publish"`` (the marker is set, or the check could not decide: ``unchecked``),
-    ``"completed"`` (``record`` holds the stored result), ``"queued"`` (queued or running as
-    ``task_id``) or ``"mismatch"`` (queued or running with ``stored_fingerprint``).
-    """
-
-    action: str
-    task_id: str | None = None
-    record: IdempotencyRecord | None = None
-    stored_fingerprint: str | None = None
-    unchecked: bool = False
 
 
 class RedisIdempotencyStore:

@@ -1,0 +1,1 @@
+"""Integrations with frameworks (``celery_idempotent.contrib.django``)."""
