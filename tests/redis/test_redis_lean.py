@@ -55,8 +55,10 @@ def test_a_plain_client_takes_it_and_the_others_keep_todays_path(
         connection_pool=redis.BlockingConnectionPool.from_url(redis_url, max_connections=4)
     )
     single = redis.Redis.from_url(redis_url, single_connection_client=True)
+    bounded = redis.Redis.from_url(redis_url, max_connections=1)
     for other, why in (
         (blocking, "its pool is a BlockingConnectionPool"),
+        (bounded, "its pool has room for 1 connection(s)"),
         (single, "a single-connection client"),
         (object(), "not a redis.Redis"),
     ):
@@ -65,7 +67,7 @@ def test_a_plain_client_takes_it_and_the_others_keep_todays_path(
     monkeypatch.setenv(lean.ENV_SWITCH, "0")
     assert lean.why_not_lean(plain) == f"{lean.ENV_SWITCH} turns it off"
     assert RedisIdempotencyStore(plain)._lean is None
-    for c in (plain, blocking, single):
+    for c in (plain, blocking, single, bounded):
         c.close()
 
 
@@ -111,6 +113,33 @@ def test_threads_each_get_a_connection_and_their_own_replies(client: Any, key_pr
         th.join(60)
     assert not errors, errors
     assert 1 <= client.connection_pool._created_connections <= 8
+
+
+def test_at_most_half_the_pools_bound_is_held(redis_url: str, key_prefix: str) -> None:
+    """Four threads on a pool of at most 4 connections (redis-py raises past it): the lean path
+    holds 2, the calls that find them busy go through the client, none finds the pool full."""
+    c = redis.Redis.from_url(redis_url, max_connections=4)
+    guard = _guard(c, key_prefix)
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            barrier.wait()
+            for i in range(30):
+                assert guard.run(f"b{t}-{i}", lambda t=t: t).value == t
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert 1 <= guard.store._lean._held <= 2  # type: ignore[attr-defined]
+    assert c.ping()
+    c.close()
 
 
 def test_noscript_after_a_flush_loads_the_script_and_sends_again(

@@ -16,6 +16,8 @@ drops the rest:
   prefork child, a ``threads`` pool thread) keeps reusing the one it just gave back, and under
   gevent or eventlet, whose pools run every task in a new greenlet, the greenlets in flight
   share as many connections as run at once (one per greenlet would connect once per task).
+  At most half the pool's ``max_connections`` are held, so that the client's other commands
+  always find room; a call that finds none free beyond that goes through the client.
 - **What redis-py does around a command, done the same way.** The checkout's ``connect()`` and
   readiness check (a connection with unread data, or closed by the server while idle, is
   reconnected before anything is sent), the connection's own ``Retry`` on the same errors with
@@ -28,7 +30,7 @@ drops the rest:
 
 Not taken (:func:`lean_for` returns ``None``, and the script is called through the client as
 before): ``RedisCluster`` (its slot routing and ``MOVED``/``ASK`` redirections live in the
-client), a ``BlockingConnectionPool`` (held connections would use up its bound), a client-side
+client), a ``BlockingConnectionPool`` (its checkout waits for a free connection), a client-side
 cache, a single-connection client, redis-py's OpenTelemetry metrics when enabled, a ``Redis``
 subclass or instrumentation (APM tracers wrap ``Redis.execute_command``) that replaces
 ``execute_command`` (checked at every call: a tracer installed later keeps its spans), and
@@ -38,6 +40,7 @@ subclass or instrumentation (APM tracers wrap ``Redis.execute_command``) that re
 from __future__ import annotations
 
 import os
+import threading
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -107,6 +110,9 @@ def why_not_lean(client: Any) -> str | None:
     pool = getattr(client, "connection_pool", None)
     if not isinstance(pool, redis.ConnectionPool) or isinstance(pool, redis.BlockingConnectionPool):
         return f"its pool is a {type(pool).__name__}"
+    bound = getattr(pool, "max_connections", None)
+    if isinstance(bound, int) and bound < 2:
+        return f"its pool has room for {bound} connection(s)"
     if getattr(pool, "cache", None) is not None:
         return "a client-side cache"
     if _metrics_enabled():
@@ -137,6 +143,10 @@ class LeanScripts:
         self._pool = client.connection_pool
         self._free: list[Any] = []
         self._pid = os.getpid()
+        bound = getattr(self._pool, "max_connections", None)
+        self._limit = bound // 2 if isinstance(bound, int) else 1 << 62
+        self._held = 0  # connections taken from the pool by this process
+        self._lock = threading.Lock()
         self._no_script = redis.exceptions.NoScriptError
         self._connection_error = redis.exceptions.ConnectionError
         self._owns = getattr(self._pool, "owns_connection", None)
@@ -157,12 +167,15 @@ class LeanScripts:
             # A fork's child: the parent's connections are its sockets; forget them, never
             # close them (redis-py's pool does the same after a fork).
             self._free = []
+            self._held = 0
             self._pid = os.getpid()
         free = self._free
         try:
             conn = free.pop()
         except IndexError:
             conn = self._checkout()
+            if conn is None:  # as many held as the bound allows, all in use
+                return script(keys=keys, args=args)
         try:
             reply = self._run(conn, script, keys, args)
         except BaseException:
@@ -177,10 +190,20 @@ class LeanScripts:
         return reply
 
     def _checkout(self) -> Any:
+        """A connection from the pool to hold, or ``None`` when the bound is reached."""
+        with self._lock:
+            if self._held >= self._limit:
+                return None
+            self._held += 1
         try:
-            return self._pool.get_connection()
-        except TypeError:  # redis-py < 5.3 requires a command name
-            return self._pool.get_connection("EVALSHA")
+            try:
+                return self._pool.get_connection()
+            except TypeError:  # redis-py < 5.3 requires a command name
+                return self._pool.get_connection("EVALSHA")
+        except BaseException:
+            with self._lock:
+                self._held -= 1
+            raise
 
     def _ready(self, conn: Any) -> None:
         """What the pool's ``get_connection`` checks before lending a connection: connected,
