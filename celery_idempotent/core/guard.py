@@ -37,7 +37,7 @@ from celery_idempotent.core.exceptions import (
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.core.fingerprint import fingerprint_payload, key_digest
+from celery_idempotent.core.fingerprint import KeyLabel, fingerprint_payload, key_digest
 from celery_idempotent.core.outcome import (
     ABSENT,
     GuardEvent,
@@ -350,7 +350,7 @@ class DistributedIdempotencyGuard:
             lease,
             self.lock_ttl,
             self.renew_interval,
-            label=f"key #{key_digest(key)}",
+            label=KeyLabel(key),
         )
         try:
             with running_under(lease):
