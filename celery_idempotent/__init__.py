@@ -51,6 +51,7 @@ from celery_idempotent.transactions import current_connection
 
 if TYPE_CHECKING:
     from celery_idempotent.admin import IdempotencyStatus
+    from celery_idempotent.backends.mysql import MySQLBackend
     from celery_idempotent.backends.postgres import DjangoBackend, PostgresBackend
     from celery_idempotent.backends.redis.locks import RedisLockProvider
     from celery_idempotent.backends.redis.store import RedisIdempotencyStore
@@ -84,6 +85,7 @@ __all__ = [
     "LockProvider",
     "MemoryIdempotencyStore",
     "MemoryLockProvider",
+    "MySQLBackend",
     "Outcome",
     "PostgresBackend",
     "RecordDecodeError",
@@ -104,6 +106,7 @@ _LAZY = {
     "IdempotentTask": "celery_idempotent.celery.task",
     "PostgresBackend": "celery_idempotent.backends.postgres",
     "DjangoBackend": "celery_idempotent.backends.postgres",
+    "MySQLBackend": "celery_idempotent.backends.mysql",
 }
 
 

@@ -14,6 +14,7 @@ from celery_idempotent.urls import redact
 
 __all__ = [
     "MISSING_KEY_POLICIES",
+    "MYSQL_SCHEMES",
     "ON_LOCKED_POLICIES",
     "POSTGRES_SCHEMES",
     "REDIS_SCHEMES",
@@ -44,6 +45,9 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: The PostgreSQL backend's schemes (records commit in the body's transaction; see
 #: :mod:`celery_idempotent.backends.postgres`).
 POSTGRES_SCHEMES = ("postgresql://", "postgres://", "django://")
+#: The MySQL / MariaDB backend's scheme (see :mod:`celery_idempotent.backends.mysql`);
+#: ``django://`` serves it too, when the alias is on Django's MySQL engine.
+MYSQL_SCHEMES = ("mysql://",)
 
 
 def one_of(choices: tuple[str, ...]) -> Check:
@@ -62,10 +66,10 @@ def check_url(where: str, value: Any) -> Any:
         return None
     if not isinstance(value, str):
         raise TypeError(f"{where} must be a URL string, not {type(value).__name__}")
-    if not value.startswith((*REDIS_SCHEMES, *POSTGRES_SCHEMES, "memory://")):
+    if not value.startswith((*REDIS_SCHEMES, *POSTGRES_SCHEMES, *MYSQL_SCHEMES, "memory://")):
         raise ValueError(
             f"{where} must be a redis://, rediss://, unix://, postgresql://, postgres://, "
-            "django://<alias> or memory:// URL, "
+            "mysql://, django://<alias> or memory:// URL, "
             f"got {redact(value)!r}"
         )
     return value

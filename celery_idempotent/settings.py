@@ -22,6 +22,7 @@ from celery_idempotent.core.validate import check_count, check_delay, check_dura
 from celery_idempotent.setting_checks import (
     DUPLICATE_PUBLISH_POLICIES,
     MISSING_KEY_POLICIES,
+    MYSQL_SCHEMES,
     ON_LOCKED_POLICIES,
     POSTGRES_SCHEMES,
     REDIS_SCHEMES,
@@ -74,7 +75,9 @@ class IdempotencySettings:
 
     #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``; ``postgresql://``
     #: (``postgres://``) or ``django://<alias>``: PostgreSQL, where the record commits in the
-    #: body's own transaction (:mod:`celery_idempotent.backends.postgres`); or ``memory://`` for one
+    #: body's own transaction (:mod:`celery_idempotent.backends.postgres`); ``mysql://``: MySQL 8
+    #: or MariaDB 10.6+, likewise (:mod:`celery_idempotent.backends.mysql`; ``django://`` too when
+    #: the alias is on Django's MySQL engine); or ``memory://`` for one
     #: process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
     #: master when it is a ``sentinel://`` URL (with ``broker_transport_options['master_name']``,
     #: as kombu reads them), else an error that says so.
@@ -120,7 +123,7 @@ class IdempotencySettings:
     #: growing countdown; not counted against ``max_retries``), ``"raise"``
     #: (``LockAcquisitionError``), ``"ignore"`` (Celery ``Ignore``) or ``"reject"`` (Celery
     #: ``Reject(requeue=False)``: with ``task_acks_late``, a broker's dead-letter exchange takes the
-    #: duplicate).
+    #: duplicate; nothing is recorded under its task id, on Celery 5.7 too).
     idempotency_on_locked: str = setting("retry", one_of(ON_LOCKED_POLICIES))
     #: what ``apply_async``/``delay`` does with a call whose key is already completed, queued
     #: or running (one Redis round trip at publish): ``"existing"`` (publish nothing; return
@@ -161,10 +164,17 @@ class IdempotencySettings:
 
     @property
     def in_postgres(self) -> bool:
-        """Whether locks and records live in PostgreSQL (``postgresql://``, ``django://``)."""
+        """Whether locks and records live in a SQL database's transactions: PostgreSQL
+        (``postgresql://``), MySQL / MariaDB (``mysql://``) or Django's (``django://``, on
+        either engine). One name for both, since ``django://`` may be either."""
         return self.idempotency_client is None and (self.idempotency_url or "").startswith(
-            POSTGRES_SCHEMES
+            (*POSTGRES_SCHEMES, *MYSQL_SCHEMES)
         )
+
+    @property
+    def in_sql(self) -> bool:
+        """The same as :attr:`in_postgres` (the clearer name)."""
+        return self.in_postgres
 
     @property
     def in_memory(self) -> bool:

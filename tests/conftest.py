@@ -28,6 +28,13 @@ from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+# Imported here, at collection, not first at the session's end: hypothesis's pytest plugin
+# imports hypothesis in pytest_terminal_summary, and pytest rewrites the asserts of a plugin's
+# distribution on import. In a run that never imported it before (tests/faults alone, the tox
+# version matrix's core subset), that parse came after a test's RecursionError, and CPython
+# 3.11.7's parser (gh-106905) then raised "SystemError: AST constructor recursion depth
+# mismatch": every test passed and pytest exited 1.
+import hypothesis  # noqa: F401
 import pytest
 
 from celery_idempotent.urls import redact

@@ -33,16 +33,47 @@ def test_demo_command_runs_the_example_project() -> None:
     assert (ROOT / "example_project" / "__main__.py").is_file()
 
 
+#: Where the repository is read online. The README is also the package index's long
+#: description, where a relative link has no page to lead to: every link into the repository
+#: is absolute, to this, and names a file the repository has.
+REPOSITORY = "https://github.com/celery-idempotent/celery-idempotent"
+
+
+def _heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of the Markdown's headings (lowercase, punctuation dropped)."""
+    headings = re.findall(r"^#+ (.+)$", markdown, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def _in_repository(link: str) -> str | None:
+    """The path (``#anchor`` kept) a link into the repository names, or ``None``."""
+    if link.startswith(f"{REPOSITORY}/blob/main/"):
+        return link.removeprefix(f"{REPOSITORY}/blob/main/")
+    if link.startswith(f"{REPOSITORY}#"):
+        return link.removeprefix(REPOSITORY)
+    return None
+
+
+def test_no_link_is_relative_so_the_package_index_page_has_none_broken() -> None:
+    links = re.findall(r"\]\(([^)\s]+)\)", README)
+    assert len(links) >= 40
+    relative = [link for link in links if "://" not in link]
+    assert not relative, f"relative links break on the package index: {relative}"
+
+
 def test_every_link_resolves_and_every_docs_page_is_linked() -> None:
     links = re.findall(r"\]\(([^)\s]+)\)", README)
-    local = [link for link in links if "://" not in link]
+    local = [path for link in links if (path := _in_repository(link)) is not None]
+    assert len(local) >= 40
     for link in local:
         path, _, anchor = link.partition("#")
         if path:
             assert (ROOT / path).is_file(), f"README links to a missing file: {link}"
+            if anchor and path.endswith(".md"):
+                anchors = _heading_anchors((ROOT / path).read_text(encoding="utf-8"))
+                assert anchor in anchors, f"README links to a missing heading: {link}"
         else:
-            heading = anchor.replace("-", " ")
-            assert re.search(rf"^#+ {re.escape(heading)}$", README, re.I | re.M), link
+            assert anchor in _heading_anchors(README), link
     pages = {
         str(page.relative_to(ROOT))
         for page in (ROOT / "docs").rglob("*.md")

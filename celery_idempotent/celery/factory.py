@@ -142,7 +142,12 @@ def _make_pair(
             )
         return MemoryLockProvider(), MemoryIdempotencyStore()
     return (
-        RedisLockProvider(client, key_prefix=cfg.idempotency_key_prefix),
+        RedisLockProvider(
+            client,
+            key_prefix=cfg.idempotency_key_prefix,
+            wait_replicas=cfg.idempotency_wait_replicas,
+            wait_timeout=cfg.idempotency_wait_timeout,
+        ),
         RedisIdempotencyStore(
             client,
             serializer=serializer,

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_REQUEUE_COUNTDOWN",
     "MAX_REQUEUE_DELAY",
     "REQUEUE_HEADER",
+    "DuplicateRejected",
     "on_locked",
     "requeue",
     "requeue_countdown",
@@ -56,6 +57,15 @@ _X_DEATH_HEADERS = frozenset(
 )
 
 
+class DuplicateRejected(Reject):  # type: ignore[misc]
+    """``Reject(requeue=False)`` of a delivery whose key another delivery holds
+    (``idempotency_on_locked="reject"``): the broker drops or dead-letters the message, and
+    the worker records nothing under the delivery's task id (``IdempotentRequest``), as
+    Celery 5.5 and 5.6 do for any ``Reject``. Celery 5.7 would record a FAILURE, and a
+    redelivery of the message whose body still runs has that body's task id: its FAILURE
+    would be read by the caller as the outcome of a call that then succeeds."""
+
+
 def requeue_countdown(requeues: int, base: float, rand: float, cap: float) -> float:
     """Seconds before a duplicate re-queued ``requeues`` times so far is delivered again:
     ``base * 2**requeues`` capped at ``cap``, times a jitter of ``0.5 + rand / 2`` (``rand``
@@ -82,7 +92,9 @@ def on_locked(
     if policy == "ignore":
         raise Ignore(f"idempotency key held by another delivery: {key_digest(key)}")
     if policy == "reject":
-        raise Reject(f"idempotency key held by another delivery: {key_digest(key)}", requeue=False)
+        raise DuplicateRejected(
+            f"idempotency key held by another delivery: {key_digest(key)}", requeue=False
+        )
     requeue(task, cfg, exc, args, kwargs)
 
 

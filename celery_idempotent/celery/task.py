@@ -94,11 +94,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ``IdempotencyMismatchError``. A body that raises one of ``idempotency_store_errors``
     stores that failure; its duplicates raise it again without running the body.
 
-    Inside the body, :func:`celery_idempotent.current_lease` gives the lease and its fencing
+    Inside the body, :func:`celery_idempotent.require_lease` gives the lease and its fencing
     token. A direct call ``task(...)`` (no Celery request) runs the body plainly.
     """
 
     abstract = True
+    #: The worker's request class (Celery's ``Task.Request``): Celery's own, except that a
+    #: duplicate rejected by ``idempotency_on_locked="reject"`` records nothing under its task
+    #: id on every Celery version (see :mod:`celery_idempotent.celery.request`). A subclass
+    #: that sets its own ``Request`` should derive it from ``IdempotentRequest``.
+    Request = "celery_idempotent.celery.request:IdempotentRequest"
     # Every setting is also a task option of the same name, set on this class below from the
     # settings' declarations (settings.task_option_defaults).
 

@@ -125,7 +125,9 @@ def _pg_forget(
     as_json: bool,
 ) -> None:
     """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
-    from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
+    from celery_idempotent.cli.postgres import admin_of  # noqa: PLC0415
+
+    pg_admin = admin_of(target.postgres)
 
     where = f"table {target.postgres.table} on {target.shown_url}"
     if not dry_run and not yes and not as_json:

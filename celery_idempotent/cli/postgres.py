@@ -11,6 +11,7 @@ worker has it.
 from __future__ import annotations
 
 import json
+from types import ModuleType
 from typing import Any
 
 import click
@@ -21,10 +22,9 @@ from celery_idempotent.backends.postgres import (
     backend_from_url,
     ddl,
 )
-from celery_idempotent.backends.postgres.admin import describe
 from celery_idempotent.backends.postgres.connections import split_url
 
-__all__ = ["backend_for", "inspect", "sql_command"]
+__all__ = ["admin_of", "backend_for", "inspect", "sql_command"]
 
 
 @click.command(name="sql")
@@ -32,8 +32,15 @@ __all__ = ["backend_for", "inspect", "sql_command"]
     "--table", default=None, metavar="NAME", help=f"Table name (default: {DEFAULT_TABLE})."
 )
 @click.option("--url", default=None, metavar="URL", help="Take the table name from this URL.")
-def sql_command(table: str | None, url: str | None) -> None:
-    """Print the DDL of the PostgreSQL backend's table, index and sequence.
+@click.option(
+    "--dialect",
+    type=click.Choice(["postgresql", "mysql"]),
+    default=None,
+    help="The database's DDL (default: mysql for a mysql:// --url, else postgresql).",
+)
+def sql_command(table: str | None, url: str | None, dialect: str | None = None) -> None:
+    """Print the DDL of the SQL backend's tables (PostgreSQL: table, index and sequence;
+    MySQL / MariaDB: ``--dialect mysql`` or a ``mysql://`` ``--url``).
 
     For teams that do not let applications run DDL: run it once, then set
     ``?table=...`` in idempotency_url if the name is not the default, and the backend finds
@@ -42,10 +49,24 @@ def sql_command(table: str | None, url: str | None) -> None:
     name = table
     if name is None and url:
         name = split_url(url)[1].get("table")
+    make_ddl = ddl
+    if dialect == "mysql" or (dialect is None and (url or "").startswith("mysql://")):
+        from celery_idempotent.backends.mysql.sql import ddl as make_ddl  # noqa: PLC0415
     try:
-        click.echo(ddl(name or DEFAULT_TABLE), nl=False)
+        click.echo(make_ddl(name or DEFAULT_TABLE), nl=False)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--table") from exc
+
+
+def admin_of(backend: PostgresBackend) -> ModuleType:
+    """The admin module of ``backend``'s database: PostgreSQL's, or MySQL's."""
+    if getattr(backend, "dialect", "postgresql") == "mysql":
+        from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415
+
+        return mysql_admin
+    from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
+
+    return pg_admin
 
 
 def backend_for(cfg: Any, accept: list[str]) -> PostgresBackend:
@@ -68,6 +89,7 @@ def inspect(
     shown_url: str,
 ) -> int:
     """Print one key's state; returns the exit status."""
+    describe = admin_of(backend).describe
     doc = describe(backend, prefix, nkey, show_result=show_result, shown_url=shown_url)
     state, held, row = doc["state"], doc["held"], doc["row"]
     record = doc["record"]

@@ -40,7 +40,9 @@ def stats(
     """
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix, any_task=any_task)
     if target.postgres is not None:
-        from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
+        from celery_idempotent.cli.postgres import admin_of  # noqa: PLC0415
+
+        pg_admin = admin_of(target.postgres)
 
         space = None if task_name is None else target.namespace(task_name)
         doc = pg_admin.stats(target.postgres, target.prefix, space)

@@ -12,8 +12,10 @@ The fixtures:
   backend, or to a private Redis server when ``idempotency_backend`` says ``"redis"``, and puts
   everything back afterwards. Its helpers deliver a task twice the way a broker does and assert
   that the body ran once; :meth:`IdempotencyTester.stored` shows what was stored.
-- ``idempotency_backend``: ``"memory"`` (the default) or ``"redis"``. Override it in a
-  ``conftest.py``, or parametrize a test over it.
+- ``idempotency_backend``: ``"memory"`` (the default), ``"redis"`` or ``"postgres"``.
+  Override it in a ``conftest.py``, or parametrize a test over it.
+- ``idempotency_postgres_url``: where ``"postgres"`` keeps the keys: ``django://default``
+  under pytest-django (the test database), else ``IDEMPOTENCY_POSTGRES_URL``.
 - ``idempotency_app``: the app to switch when the test starts (``celery_app`` or
   ``celery_session_app`` when the test uses one, else ``None``). Override it to name your own.
 - ``idempotency_redis``: a session-wide private ``redis-server`` (from ``PATH`` or the
@@ -24,6 +26,12 @@ Deliveries go through the broker to a worker when the test uses Celery's ``celer
 ``celery_session_worker`` fixture (set :attr:`IdempotencyTester.through_worker` when you start
 an in-process worker yourself), else they are applied eagerly, with the arguments and the result
 passed through the app's serializers as a broker and a result backend would.
+
+With pytest-django, ``while_running=True`` works under ``db`` (the two delivery threads use
+the test's own connection, so they see its rows) and under ``transactional_db`` (each thread
+its own connection, closed when it ends, so no test database is left behind). With
+``idempotency_backend = "postgres"`` it needs ``transactional_db``: the deliveries then hold
+transactions of their own, and the ``ValueError`` says so under ``db``.
 """
 
 from __future__ import annotations
@@ -50,18 +58,47 @@ __all__ = [
     "idempotency",
     "idempotency_app",
     "idempotency_backend",
+    "idempotency_postgres_url",
     "idempotency_redis",
 ]
 
 #: The values ``idempotency_backend`` may return.
-BACKENDS = ("memory", "redis")
+BACKENDS = ("memory", "redis", "postgres")
 
 
 @pytest.fixture
 def idempotency_backend() -> str:
-    """Where ``idempotency`` puts the keys: ``"memory"`` (default) or ``"redis"`` (a private
-    server). Override this fixture, or parametrize a test over it."""
+    """Where ``idempotency`` puts the keys: ``"memory"`` (default), ``"redis"`` (a private
+    server) or ``"postgres"`` (:func:`idempotency_postgres_url`: under pytest-django, Django's
+    own test database). Override this fixture, or parametrize a test over it."""
     return "memory"
+
+
+@pytest.fixture
+def idempotency_postgres_url(request: pytest.FixtureRequest) -> str:
+    """The ``idempotency_url`` of ``idempotency_backend = "postgres"``: ``django://default``
+    when Django is configured (pytest-django: the test database, so the records commit with
+    the body's ORM writes; the test needs ``db`` or ``transactional_db``, and
+    ``while_running=True`` needs ``transactional_db``), else ``IDEMPOTENCY_POSTGRES_URL``
+    (a table of the session's own, emptied after every test). Override it to name your own."""
+    from celery_idempotent.testing import django_db  # noqa: PLC0415
+
+    if django_db._configured():
+        for name in ("transactional_db", "db"):  # pytest-django's, when the test asks
+            if name in request.fixturenames:
+                request.getfixturevalue(name)
+                break
+        return "django://default"
+    import os  # noqa: PLC0415
+
+    given = os.environ.get("IDEMPOTENCY_POSTGRES_URL")
+    if not given:
+        pytest.fail(
+            'idempotency_backend = "postgres" needs Django configured (pytest-django) or '
+            "IDEMPOTENCY_POSTGRES_URL=postgresql://...; or override idempotency_postgres_url"
+        )
+    separator = "&" if "?" in given else "?"
+    return f"{given}{separator}table=idempotency_tests_{os.getpid()}"
 
 
 @pytest.fixture
@@ -72,6 +109,21 @@ def idempotency_app(request: pytest.FixtureRequest) -> Any:
         if name in request.fixturenames:
             return request.getfixturevalue(name)
     return None
+
+
+def _clear_postgres(url: str) -> None:
+    """Empty the test's idempotency table (rolled back anyway under ``db``)."""
+    from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415
+
+    backend = backend_from_url(url)
+    try:
+        exists = backend.autocommit([("SELECT to_regclass(%s) IS NOT NULL", (backend.table,))])[0][
+            0
+        ][0]
+        if exists:
+            backend.clear()
+    finally:
+        backend.close()
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +147,9 @@ def idempotency(
     elif idempotency_backend == "redis":
         server = request.getfixturevalue("idempotency_redis")
         url = server.url(0)
+    elif idempotency_backend == "postgres":
+        url = request.getfixturevalue("idempotency_postgres_url")
+        server = None
     else:
         raise ValueError(
             f"idempotency_backend must be one of {', '.join(BACKENDS)}, got {idempotency_backend!r}"
@@ -109,6 +164,8 @@ def idempotency(
         yield tester
     finally:
         tester.close()
+        if idempotency_backend == "postgres":
+            _clear_postgres(url)
         if server is not None:
             import redis  # noqa: PLC0415
 

@@ -202,8 +202,17 @@ class IdempotencyTester:
                 "worker, publish both with deliver() to a worker of concurrency 2 or more"
             )
         from celery_idempotent import signals  # noqa: PLC0415
+        from celery_idempotent.testing import django_db  # noqa: PLC0415
 
         task = current(task)
+        shared = django_db.test_transactions()
+        if shared and self.backend_url.startswith("django://"):
+            raise ValueError(
+                "while_running=True with the django:// backend needs transactional_db (or a "
+                "TransactionTestCase): the two deliveries each hold a transaction of their "
+                "own, which cannot see the rows the test writes inside the db fixture's "
+                "transaction. Use transactional_db, or the memory or redis backend under db"
+            )
         entered, release, held = threading.Event(), threading.Event(), threading.Event()
 
         def contended(sender: Any = None, **_: Any) -> None:
@@ -214,12 +223,15 @@ class IdempotencyTester:
         outcomes: list[tuple[bool, Any]] = [(False, None), (False, None)]
 
         def deliver(index: int) -> None:
-            try:
-                value = self.deliver(task, args, kwargs, task_id=ids[index], key=key)
-            except BaseException as exc:  # handed to the test's thread below
-                outcomes[index] = (False, exc)
-            else:
-                outcomes[index] = (True, value)
+            # On the test's own Django connections when it holds a transaction open (db
+            # fixture), and no connection of the thread's own left open afterwards.
+            with django_db.delivery_thread(shared):
+                try:
+                    value = self.deliver(task, args, kwargs, task_id=ids[index], key=key)
+                except BaseException as exc:  # handed to the test's thread below
+                    outcomes[index] = (False, exc)
+                else:
+                    outcomes[index] = (True, value)
 
         signals.idempotency_contended.connect(contended, weak=False)
         self._switch.hold(task, entered, release, timeout)

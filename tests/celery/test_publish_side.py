@@ -23,12 +23,17 @@ import pytest
 import redis
 from celery import chain, chord, group
 from celery.result import AsyncResult, EagerResult
+from kombu import VERSION as KOMBU_VERSION
 
 from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError, keyspace
 from celery_idempotent import settings as idem_settings
 from celery_idempotent.celery.task import reset_backends
 from tests.support.keys import delete_keys_with_prefix
 from tests.support.workers import WorkerGroup, start_workers
+
+#: kombu 5.7 added ``x-expires`` on Redis queues (``Channel._expires``) and
+#: ``Producer.batch()``; 5.5 and 5.6 (both supported) have neither. Tests assert each one's own.
+KOMBU_57 = tuple(KOMBU_VERSION[:2]) >= (5, 7)
 
 pytestmark = pytest.mark.redis
 
@@ -690,6 +695,50 @@ def test_the_script_pushes_what_kombus_own_put_pushes(pub: ModuleType) -> None:
     assert "_put" in problem
 
 
+def test_an_untested_kombu_is_refused_the_fused_push_with_the_reason() -> None:
+    """No upper bound on kombu in setup.cfg; instead a kombu outside the tested range
+    (``TESTED_KOMBU``) gets the check-then-push path, and the WARNING says why."""
+    from kombu.transport import redis as kombu_redis
+
+    from celery_idempotent.backends.redis import publish as publish_redis
+
+    assert publish_redis.TESTED_KOMBU == ((5, 5, 2), (5, 8))
+    assert publish_redis.kombu_problem(kombu_redis) is None  # this env's kombu: tested
+    for version in ("5.5.2", "5.6.2", "5.7.0", "5.7.9"):
+        assert publish_redis.kombu_problem(kombu_redis, version) is None, version
+    for version in ("5.8.0", "5.8.0rc1", "6.0.0", "5.5.1", "5.4.2"):
+        problem = publish_redis.kombu_problem(kombu_redis, version)
+        assert problem is not None
+        assert f"kombu {version} is not one this release of celery-idempotent was tested" in (
+            problem
+        )
+        assert "5.5.2 up to (not including) 5.8" in problem
+
+
+def test_an_untested_kombu_checks_then_lets_kombu_push(
+    pub: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the start-up check leads to: the check runs alone, kombu pushes the message
+    itself, and the duplicate is still stopped (never lost, never unchecked)."""
+    from kombu.transport import redis as kombu_redis
+
+    from celery_idempotent.backends.redis import publish as publish_redis
+
+    problem = publish_redis.kombu_problem(kombu_redis, "5.8.0")
+    monkeypatch.setattr(publish_redis, "_fuse_problem", problem)
+    t = tag()
+    queue = f"{pub.QUEUE}-kombu58"
+    broker_list = _fresh_list(pub, queue)
+    sent = _redis_commands(monkeypatch)
+    first = pub.charge.apply_async((t, 11), queue=queue)
+    assert sent == ["EVALSHA", "LPUSH"]  # the check, then kombu's own push
+    sent.clear()
+    assert pub.charge.apply_async((t, 11), queue=queue).id == first.id
+    assert sent == ["EVALSHA"]
+    assert pub.client().llen(broker_list) == 1
+    pub.client().delete(broker_list, _record(pub, t, 11))
+
+
 def test_a_kombu_channel_without_expires_still_fuses(
     pub: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -699,14 +748,18 @@ def test_a_kombu_channel_without_expires_still_fuses(
     queue = f"{pub.QUEUE}-k56"
     broker_list = _fresh_list(pub, queue)
     with pub.app.producer_or_acquire() as producer:
-        saved = producer.channel.__dict__.pop("_expires")
+        if KOMBU_57:  # take it away, as 5.5 and 5.6 have it
+            saved = producer.channel.__dict__.pop("_expires")
+        else:  # the real thing
+            assert not hasattr(producer.channel, "_expires")
         try:
             sent = _redis_commands(monkeypatch)
             first = pub.charge.apply_async((t, 2), queue=queue, producer=producer)
             assert sent == ["EVALSHA"]
             assert pub.charge.apply_async((t, 2), queue=queue, producer=producer).id == first.id
         finally:
-            producer.channel._expires = saved
+            if KOMBU_57:
+                producer.channel._expires = saved
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list, _record(pub, t, 2))
 
@@ -780,8 +833,10 @@ def test_a_fanout_exchange_is_checked_then_published_by_kombu(pub: ModuleType) -
 def test_an_x_expires_queue_is_checked_then_pushed_by_kombu(
     pub: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A queue with ``x-expires``: kombu pushes with a PEXPIRE of every priority list, so the
-    check runs alone and kombu pushes (the list gets its expiry); the duplicate is stopped."""
+    """A queue with ``x-expires``: kombu 5.7 pushes with a PEXPIRE of every priority list, so
+    the check runs alone and kombu pushes (the list gets its expiry); kombu 5.5 and 5.6 set no
+    expiry on a Redis queue, so the check and the push stay one script and the list keeps no
+    TTL, as kombu's own push leaves it. The duplicate is stopped either way."""
     from kombu import Queue
 
     t = tag()
@@ -789,9 +844,13 @@ def test_an_x_expires_queue_is_checked_then_pushed_by_kombu(
     broker_list = _fresh_list(pub, queue.name, queue=queue)
     sent = _redis_commands(monkeypatch)
     first = pub.charge.apply_async((t, 6), queue=queue)
-    assert sent == ["EVALSHA"]  # the check; kombu's LPUSH + PEXPIREs go in its pipeline
+    # 5.7: the check; kombu's LPUSH + PEXPIREs go in its pipeline. Before: the fused script.
+    assert sent == ["EVALSHA"]
     assert pub.client().llen(broker_list) == 1
-    assert 0 < pub.client().pttl(broker_list) <= 120_000
+    if KOMBU_57:
+        assert 0 < pub.client().pttl(broker_list) <= 120_000
+    else:
+        assert pub.client().pttl(broker_list) == -1  # kombu < 5.7 ignores x-expires on Redis
     assert pub.charge.apply_async((t, 6), queue=queue).id == first.id
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list, _record(pub, t, 6))
@@ -1043,8 +1102,14 @@ def test_a_batch_keeps_the_markers_it_pushed_and_drops_those_it_discarded(
     batch is given up, the markers of the messages it discarded go with them (else the key
     would answer with a task id that was never published, for ``idempotency_publish_ttl``),
     and those of the messages an earlier flush pushed stay."""
-    if not hasattr(pub.app.producer_pool.create_producer(), "batch"):
-        pytest.fail("kombu >= 5.7 has Producer.batch(); this kombu has not")
+    from celery_idempotent.backends.redis import publish as publish_redis
+
+    if not KOMBU_57:  # no batches to keep markers for: nothing watched, nothing to break
+        assert not hasattr(pub.app.producer_pool.create_producer(), "batch")
+        assert publish_redis.install()
+        assert publish_redis._watched_batches is publish_redis._NoBatches
+        return
+    assert publish_redis._watched_batches is not publish_redis._NoBatches
     t = tag()
     queue = f"{pub.QUEUE}-batch"
     broker_list = _fresh_list(pub, queue)

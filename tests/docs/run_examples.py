@@ -8,7 +8,8 @@ Per page, in order and in one namespace (as a reader goes down the page):
 
 - a ```` ```python ```` block is executed, unless the line before it is
   ``<!-- example: not run (the reason) -->``;
-- a block made only of ``--8<-- "path"`` lines (pymdownx.snippets includes) is not executed
+- a block made only of ``--8<-- "path"`` lines (pymdownx.snippets includes), or right after
+  ``<!-- include: path -->`` (a copy of the file, ``docs/_ext/hooks.py``), is not executed
   here: it must name files of the sample project, which ``tests/plugin`` runs;
 - ``<!-- example-setup`` ... ``-->`` is executed where it stands, hidden from the reader: what
   a block takes from the reader's own project (an ``app``, a stand-in for a payment gateway).
@@ -30,6 +31,7 @@ SAMPLE = "tests/plugin/sample_project/"
 FENCE = re.compile(r"^```(\w*)[^\n]*$")
 NOT_RUN = re.compile(r"^<!-- example: not run \((.+)\) -->$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
+INCLUDED = re.compile(r"^<!-- include: (\S+) -->$")
 
 
 def blocks(text: str) -> list[dict[str, Any]]:
@@ -49,6 +51,7 @@ def blocks(text: str) -> list[dict[str, Any]]:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             skip = NOT_RUN.match(before.strip())
+            included = INCLUDED.match(before.strip())
             found.append(
                 {
                     "kind": "block",
@@ -56,6 +59,7 @@ def blocks(text: str) -> list[dict[str, Any]]:
                     "line": i + 1,
                     "code": "\n".join(lines[i + 1 : end]),
                     "not_run": skip.group(1) if skip else None,
+                    "include": included.group(1) if included else None,
                 }
             )
             i = end + 1
@@ -84,8 +88,8 @@ def run_page(path: Path, redis_url: str) -> list[dict[str, Any]]:
             continue
         code = item["code"]
         includes = [SNIPPET.match(ln.strip()) for ln in code.splitlines() if ln.strip()]
-        if item["kind"] == "block" and includes and all(includes):
-            paths = [m.group(1) for m in includes if m]
+        if item["kind"] == "block" and (item["include"] or (includes and all(includes))):
+            paths = [item["include"]] if item["include"] else [m.group(1) for m in includes if m]
             bad = [p for p in paths if not p.startswith(SAMPLE) or not (ROOT / p).is_file()]
             entry.update(status="snippet", paths=paths)
             if bad:

@@ -206,6 +206,46 @@ def test_the_settings_reference_is_the_codes_table(site: Path, built: dict[Path,
         assert section == _rendered(f"{name}¶ Default: {default} {meaning}"), name
 
 
+def test_the_pages_generated_parts_are_the_codes_and_files_current_text() -> None:
+    """docs/settings.md holds the code's settings reference and docs/testing.md the sample
+    project's files, in the Markdown itself (GitHub shows no generated or included text)."""
+    stale = [
+        str(page.relative_to(ROOT))
+        for page in [*_pages(), DOCS / "settings.md"]
+        if (text := page.read_text(encoding="utf-8"))
+        != (
+            hooks.with_settings_reference(hooks.with_includes(text, ROOT))
+            if hooks.MARKER in text
+            else hooks.with_includes(text, ROOT)
+        )
+    ]
+    assert not stale, f"{stale} differ from the code: run `python docs/_ext/hooks.py`"
+    settings_page = (DOCS / "settings.md").read_text(encoding="utf-8")
+    for name in DEFAULTS:
+        assert f"\n### `{name}`\n" in settings_page, name
+    testing_page = (DOCS / "testing.md").read_text(encoding="utf-8")
+    assert "--8<--" not in testing_page
+    tasks = (ROOT / "tests/plugin/sample_project/shop/tasks.py").read_text(encoding="utf-8")
+    assert tasks.strip() in testing_page
+
+
+def test_a_stale_generated_part_is_found(tmp_path: Path) -> None:
+    settings_page = (DOCS / "settings.md").read_text(encoding="utf-8")
+    edited = settings_page.replace("Default: `86400`", "Default: `3600`", 1)
+    assert edited != settings_page
+    assert hooks.with_settings_reference(edited) == settings_page
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    testing = (DOCS / "testing.md").read_text(encoding="utf-8")
+    tasks = (ROOT / "tests/plugin/sample_project/shop/tasks.py").read_text(encoding="utf-8")
+    assert tasks.strip() in testing
+    stale_testing = testing.replace(tasks.strip(), tasks.strip() + "\n# an old line", 1)
+    (tmp_path / "docs" / "testing.md").write_text(stale_testing)
+    (tmp_path / "docs" / "settings.md").write_text(edited)
+    assert hooks.regenerate(tmp_path) == ["docs/settings.md", "docs/testing.md"]
+    assert (tmp_path / "docs" / "testing.md").read_text(encoding="utf-8") == testing
+
+
 def test_the_settings_reference_fails_the_build_for_an_undocumented_setting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -33,7 +33,9 @@ def _modules(out: Path, pages: list[Path]) -> list[Path]:
     for page in pages:
         parts = []
         for item in blocks(page.read_text(encoding="utf-8")):
-            if item["kind"] == "block" and (item["language"] != "python" or item["not_run"]):
+            if item["kind"] == "block" and (
+                item["language"] != "python" or item["not_run"] or item["include"]
+            ):
                 continue
             lines = [ln.strip() for ln in item["code"].splitlines() if ln.strip()]
             if lines and all(SNIPPET.match(ln) for ln in lines):
@@ -85,7 +87,8 @@ def test_the_check_catches_the_optional_lease_idiom(tmp_path: Path) -> None:
     parts = [
         item["code"]
         for item in blocks(old)
-        if item["kind"] == "setup" or (item["language"] == "python" and not item["not_run"])
+        if item["kind"] == "setup"
+        or (item["language"] == "python" and not item["not_run"] and not item["include"])
     ]
     module.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
     run = _mypy(tmp_path, [module])

@@ -173,6 +173,8 @@ def test_the_task_settings_reach_the_store_and_refuse_memory(server: RedisServer
         assert calls == []
         store = charge.idempotency_guard().store
         assert (store.wait_replicas, store.wait_timeout) == (1, 0.05)
+        locks = charge.idempotency_guard().lock_provider
+        assert (locks.wait_replicas, locks.wait_timeout) == (1, 0.05)
 
         failed = local.apply((2,))
         assert failed.state == "FAILURE"
@@ -207,3 +209,51 @@ def test_a_wait_timeout_as_long_as_the_lease_is_refused_naming_both() -> None:
         assert long.idempotency_settings().idempotency_wait_timeout == 10
     finally:
         app.close()
+
+
+def test_a_renewal_no_replica_confirms_is_not_counted(server: RedisServer) -> None:
+    """Both ways a lease is renewed (``extend``, and the keeper thread's own connection) wait
+    for the replicas; a renewal fewer replicas have raises instead of counting, so the holder
+    never believes in a lease longer than the one a promoted replica would hold."""
+    client = server.client()
+    plain = RedisLockProvider(client, key_prefix=PREFIX)
+    waiting = RedisLockProvider(client, key_prefix=PREFIX, wait_replicas=1, wait_timeout=0.05)
+    lease = plain.acquire(f"{PREFIX}lock:{{renew}}", 5)
+    assert lease is not None
+    assert plain.extend(lease, 5) is True
+    with pytest.raises(IdempotencyConnectionError, match="renewal reached 0 of the 1 replica"):
+        waiting.extend(lease, 5)
+    renew = waiting.renewer()
+    assert renew is not None
+    with pytest.raises(IdempotencyConnectionError, match="not counted"):
+        renew(lease, 5, 1.0)
+    other = RedisLockProvider(client, key_prefix=PREFIX, wait_replicas=1, wait_timeout=0.05)
+    assert other.renewer() is not None
+    # A lease that is not ours is answered as such, replicas or not.
+    assert waiting.extend(type(lease)(lease.resource, "0/x@y", 1), 5) is False
+    assert plain.release(lease)
+
+
+def test_a_body_whose_renewals_no_replica_has_loses_its_lease_by_its_own_clock(
+    server: RedisServer,
+) -> None:
+    """The claim reached "its replica" (faked, as above), the renewals do not: the keeper
+    counts none of them, so the lease runs out for the holder when the claim's copy would,
+    and nothing is committed, although the server itself still had the lock renewed."""
+    from celery_idempotent import LockLostError
+
+    client = server.client()
+    store = RedisIdempotencyStore(client, wait_replicas=1, wait_timeout=0.05)
+    locks = RedisLockProvider(client, key_prefix=PREFIX, wait_replicas=1, wait_timeout=0.05)
+    real = store.eval_and_wait
+    store.eval_and_wait = lambda script, keys, args: (  # type: ignore[method-assign]
+        real(script, keys, args)[0],
+        1,
+    )
+    guard = DistributedIdempotencyGuard(
+        store=store, lock_provider=locks, key_prefix=PREFIX, lock_ttl=0.6, renew_interval=0.2
+    )
+    assert guard.execute("warm", lambda: "scripts loaded") == "scripts loaded"
+    with pytest.raises(LockLostError, match="renewals failed until it ran out"):
+        guard.execute("long", lambda: time.sleep(1.0) or "done")
+    assert client.exists(guard.record_key("long")) == 0

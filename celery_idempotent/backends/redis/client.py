@@ -5,6 +5,7 @@ lock provider decide in one script).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -72,6 +73,17 @@ def make_client(client: Any, url: str | None, what: str) -> redis.Redis:
             f"{what}: url must start with redis://, rediss:// or unix://, got {redact(url)!r}"
         )
     return redis_mod.Redis.from_url(url, **CLIENT_DEFAULTS)  # type: ignore[no-any-return]
+
+
+def rediscover(client: Any) -> None:
+    """After a write that fewer replicas confirmed than asked: on a Sentinel client, drop the
+    pool's idle connections, so that the next command asks the Sentinel for the master (an
+    old master keeps taking writes on connections made before a failover until it is
+    demoted). Connections in use are left to their commands; other clients: nothing."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None and getattr(pool, "service_name", None):
+        with contextlib.suppress(Exception):  # a hint only; the next command reconnects
+            pool.disconnect(inuse_connections=False)
 
 
 def same_server(a: Any, b: Any) -> bool:

@@ -11,8 +11,9 @@ from celery_idempotent.backends.redis import errors as redis_errors
 from celery_idempotent.backends.redis import native as native_redis
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.core import green
+from celery_idempotent.core.exceptions import IdempotencyConnectionError
 from celery_idempotent.core.protocols import Lease
-from celery_idempotent.core.validate import check_duration
+from celery_idempotent.core.validate import check_count, check_duration
 
 __all__ = ["RedisLockProvider"]
 
@@ -50,8 +51,16 @@ class RedisLockProvider:
         owner_id: str | None = None,
         fence_ttl: Any = 7 * 86_400,
         key_prefix: str = "idempotency:",
+        wait_replicas: int = 0,
+        wait_timeout: Any = 1.0,
     ) -> None:
         self.client = redis_client.make_client(client, url, "RedisLockProvider")
+        #: Renewals wait (Redis ``WAIT``, same round trip) until this many replicas have them,
+        #: at most ``wait_timeout`` seconds; one that fewer replicas confirm does not count: the
+        #: holder never believes in a lease longer than the one a promoted replica would hold.
+        #: The Celery adapter passes ``idempotency_wait_replicas`` / ``_timeout``.
+        self.wait_replicas = check_count("wait_replicas", wait_replicas)
+        self.wait_timeout = check_duration("wait_timeout", wait_timeout)
         if owner_id is not None and (not isinstance(owner_id, str) or not owner_id):
             raise TypeError(f"owner_id must be a non-empty str, not {owner_id!r}")
         self.owner_id = owner_id or redis_client.default_owner_id()
@@ -86,11 +95,32 @@ class RedisLockProvider:
         )
 
     def extend(self, lease: Lease, ttl: float) -> bool:
-        """Reset the lease to ``ttl`` seconds if it is still ours (one round trip)."""
+        """Reset the lease to ``ttl`` seconds if it is still ours (one round trip).
+
+        With ``wait_replicas``, a renewal that fewer replicas confirm raises
+        :class:`~celery_idempotent.IdempotencyConnectionError` (not counted: the lease keeps
+        its former end for the holder, which is what a promoted replica holds)."""
         ttl = check_duration("ttl", ttl)
         keys, args = self._extend_arguments(lease, ttl)
         with redis_errors.translate_errors(lease.resource, "lock extend"):
-            return bool(self._extend(keys=keys, args=args))
+            if not self.wait_replicas:
+                return bool(self._extend(keys=keys, args=args))
+            pipe = self.client.pipeline(transaction=False)
+            self._extend(keys=keys, args=args, client=pipe)
+            pipe.wait(self.wait_replicas, redis_client.ms(self.wait_timeout))
+            ours, acked = pipe.execute()
+        return self._replicated(lease, bool(ours), int(acked))
+
+    def _replicated(self, lease: Lease, ours: bool, acked: int) -> bool:
+        if ours and acked < self.wait_replicas:
+            redis_client.rediscover(self.client)
+            raise IdempotencyConnectionError(
+                lease.resource,
+                f"the renewal reached {acked} of the {self.wait_replicas} replica(s) "
+                f"wait_replicas asks for within {self.wait_timeout:g}s: not counted (a "
+                "promoted replica would hold the lease's former end)",
+            )
+        return ours
 
     @staticmethod
     def _extend_arguments(lease: Lease, ttl: float) -> tuple[list[Any], list[Any]]:
@@ -123,7 +153,15 @@ class RedisLockProvider:
         def renew(lease: Lease, ttl: float, timeout: float) -> bool:
             keys, args = self._extend_arguments(lease, ttl)
             with redis_errors.translate_errors(lease.resource, "lock extend"):
-                return bool(caller(redis_scripts.EXTEND, keys, args, timeout))
+                if not self.wait_replicas:
+                    return bool(caller(redis_scripts.EXTEND, keys, args, timeout))
+                wait_ms = max(1, min(redis_client.ms(self.wait_timeout), redis_client.ms(timeout)))
+                ours, acked = caller(
+                    redis_scripts.EXTEND, keys, args, timeout, wait=(self.wait_replicas, wait_ms)
+                )
+            if bool(ours) and int(acked) < self.wait_replicas:
+                caller.close()  # the next renewal asks the Sentinel for the master again
+            return self._replicated(lease, bool(ours), int(acked))
 
         return renew
 

@@ -104,27 +104,49 @@ class NativeRedisCaller:
         self._shas: dict[str, str] = {}
 
     def __call__(
-        self, script: str, keys: Sequence[Any], args: Sequence[Any], timeout: float
+        self,
+        script: str,
+        keys: Sequence[Any],
+        args: Sequence[Any],
+        timeout: float,
+        *,
+        wait: tuple[int, int] | None = None,
     ) -> Any:
         """``EVALSHA`` (after ``SCRIPT LOAD`` when the server does not know the script yet),
         waiting at most ``timeout`` seconds to connect and at most ``timeout`` seconds for the
-        reply. Errors propagate (redis-py's), after the connection is dropped: the next call
-        connects afresh."""
+        reply. With ``wait`` (replicas, ms), ``WAIT`` follows in the same round trip and the
+        reply is (the script's, WAIT's). Errors propagate (redis-py's), after the connection
+        is dropped: the next call connects afresh."""
         redis_mod = import_redis()
         conn = self._connect_for(timeout)
         sha = self._shas.get(script)
         if sha is None:
             sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()  # noqa: S324 - the script's name in Redis
-        try:
+
+        def send() -> None:
             conn.send_command("EVALSHA", sha, len(keys), *keys, *args)
+            if wait is not None:
+                conn.send_command("WAIT", *wait)
+
+        def read() -> Any:
             try:
-                return conn.read_response()
+                reply = conn.read_response()
+            except redis_mod.exceptions.NoScriptError:
+                if wait is not None:
+                    conn.read_response()  # WAIT's reply to the refused script
+                raise
+            return reply if wait is None else (reply, conn.read_response())
+
+        try:
+            send()
+            try:
+                return read()
             except redis_mod.exceptions.NoScriptError:
                 # SCRIPT LOAD, not EVAL: the ACL the README recommends allows only the first.
                 conn.send_command("SCRIPT", "LOAD", script)
                 conn.read_response()
-                conn.send_command("EVALSHA", sha, len(keys), *keys, *args)
-                return conn.read_response()
+                send()
+                return read()
         except BaseException:
             self._drop()
             raise

@@ -120,6 +120,7 @@ class RedisIdempotencyStore:
         """Raise :class:`IdempotencyConnectionError` when ``acked`` (WAIT's reply) is below
         ``wait_replicas``."""
         if int(acked) < self.wait_replicas:
+            redis_client.rediscover(self.client)
             raise IdempotencyConnectionError(
                 key,
                 f"the {what} reached {int(acked)} of the {self.wait_replicas} replica(s) "

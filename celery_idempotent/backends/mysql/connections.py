@@ -1,0 +1,385 @@
+"""The MySQL / MariaDB backend's connections and transactions (PyMySQL), below its steps.
+
+:class:`PyMySQLTransactions` keeps a small pool of idle connections per process and sends
+each step's statements in one flight: one ``COM_QUERY`` holding several statements
+(``CLIENT_MULTI_STATEMENTS``), whose results come back in order. The server stops at the
+first statement that fails, so a COMMIT sent after a failing statement never runs: the commit
+of a lease that is no longer ours fails in the same flight (:attr:`~.sql.Statements.fenced`).
+
+PyMySQL was chosen over mysqlclient: it is pure Python, so ``pip install
+celery-idempotent[mysql]`` works on any machine (mysqlclient compiles against the MySQL or
+MariaDB client headers), and its sockets are Python sockets, which gevent and eventlet
+patch: a claim waiting for a key's holder yields to the hub instead of freezing a green
+worker. The price is CPU per query, not round trips (the same flights either way).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from celery_idempotent.backends.mysql.sql import LOCK_ERRORS, Statements, ddl, error_code
+from celery_idempotent.backends.postgres.connections import Transaction
+from celery_idempotent.core.exceptions import IdempotencyConnectionError
+
+__all__ = [
+    "KEEPALIVES",
+    "PyMySQLTransactions",
+    "connect_args",
+    "guarded_connection_class",
+    "import_pymysql",
+    "in_transaction",
+    "socket_alive",
+]
+
+log = logging.getLogger("celery_idempotent")
+
+#: Client-side TCP keepalives of every connection (seconds): a worker notices a silent
+#: server within about idle + interval * count. The server side, which holds the row lock,
+#: has no per-session setting on MySQL: see the backend's documentation.
+KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
+IN_TRANS = 1  # SERVER_STATUS_IN_TRANS
+#: URL query parameters handed to PyMySQL (the backend's own, ``table`` and
+#: ``lock_timeout``, are taken out before).
+DRIVER_PARAMS = {
+    "unix_socket": str,
+    "charset": str,
+    "connect_timeout": float,
+    "read_timeout": float,
+    "write_timeout": float,
+    "ssl_ca": str,
+    "ssl_cert": str,
+    "ssl_key": str,
+    "ssl_verify_cert": bool,
+    "ssl_verify_identity": bool,
+    "ssl_disabled": bool,
+}
+
+
+def import_pymysql() -> Any:
+    try:
+        import pymysql  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the MySQL backend needs PyMySQL: pip install 'celery-idempotent[mysql]'"
+        ) from exc
+    return pymysql
+
+
+def connect_args(url: str) -> dict[str, Any]:
+    """PyMySQL's ``connect()`` keywords for a ``mysql://user:password@host:port/database``
+    URL; an unknown query parameter is an error that names it."""
+    parts = urlsplit(url)
+    if parts.scheme != "mysql":
+        raise ValueError(f"a MySQL URL starts with mysql://, got {parts.scheme}://")
+    database = unquote(parts.path.lstrip("/"))
+    if not database:
+        raise ValueError("a mysql:// URL must name the database: mysql://user@host:3306/<db>")
+    args: dict[str, Any] = {
+        "host": parts.hostname or "localhost",
+        "port": parts.port or 3306,
+        "user": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else "",
+        "database": database,
+        "charset": "utf8mb4",
+        "connect_timeout": 10,
+    }
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        kind = DRIVER_PARAMS.get(name)
+        if kind is None:
+            known = ", ".join(["table", "lock_timeout", *DRIVER_PARAMS])
+            raise ValueError(f"unknown mysql:// URL parameter {name!r} (known: {known})")
+        if kind is bool:
+            args[name] = value.lower() in ("1", "true", "yes", "on")
+        elif kind is float:
+            try:
+                args[name] = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"mysql:// URL parameter {name} must be seconds, got {value!r}"
+                ) from None
+        else:
+            args[name] = value
+    return args
+
+
+_GUARDED: Any = None
+
+
+def guarded_connection_class() -> Any:
+    """PyMySQL's ``Connection`` refusing ``commit()``, ``rollback()`` and ``begin()`` while a
+    guarded body's transaction is open on it (as psycopg refuses them inside a
+    ``transaction()`` block), so that a body cannot end the guard's transaction by mistake."""
+    global _GUARDED  # noqa: PLW0603 - one class per process, made when PyMySQL is first needed
+    if _GUARDED is None:
+        pymysql = import_pymysql()
+
+        class GuardedConnection(pymysql.connections.Connection):  # type: ignore[misc, name-defined]
+            celery_idem_guarded = False
+
+            def _refuse(self, what: str) -> None:
+                if self.celery_idem_guarded:
+                    raise pymysql.err.ProgrammingError(
+                        f"{what}() inside a guarded body: the idempotency guard commits this "
+                        "transaction together with the record (use SAVEPOINTs to undo part)"
+                    )
+
+            def commit(self) -> None:
+                self._refuse("commit")
+                super().commit()
+
+            def rollback(self) -> None:
+                self._refuse("rollback")
+                super().rollback()
+
+            def begin(self) -> None:
+                self._refuse("begin")
+                super().begin()
+
+        _GUARDED = GuardedConnection
+    return _GUARDED
+
+
+def in_transaction(conn: Any) -> bool:
+    """Whether the server said, in its last reply, that a transaction is open (no I/O)."""
+    return bool(getattr(conn, "server_status", 0) & IN_TRANS)
+
+
+def socket_alive(sock: Any) -> bool:
+    """Whether ``sock`` has not been closed by its peer (a non-blocking peek, no I/O sent);
+    safe from another thread while the body uses the connection (nothing is consumed)."""
+    if sock is None:
+        return False
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    return bool(data != b"")
+
+
+class PyMySQLTransactions:
+    """Connections (a per-process pool of idle ones) and guarded transactions on PyMySQL.
+
+    The same steps as :class:`~celery_idempotent.backends.postgres.connections.PsycopgTransactions`
+    (``_begin``, ``_run``, ``_rollback``, ``_finish``, ``_alive``, ``autocommit``), each one
+    flight; the MySQL backend's protocol methods are made of them.
+    """
+
+    url: str | None
+    table: str
+    create_table: bool
+    max_idle: int
+    sql: Statements
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ddl_lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._ready = False
+        self._open: dict[str, Transaction] = {}
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        pymysql = import_pymysql()
+        args = connect_args(self.url or "")
+        try:
+            conn = pymysql.connect(
+                **args,
+                autocommit=True,
+                client_flag=pymysql.constants.CLIENT.MULTI_STATEMENTS,
+                program_name="celery-idempotent",
+                defer_connect=False,
+                cursorclass=pymysql.cursors.Cursor,
+            )
+        except pymysql.err.MySQLError as exc:
+            raise ConnectionError(f"cannot connect to MySQL: {exc}") from exc
+        sock = getattr(conn, "_sock", None)
+        if sock is not None and sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (
+                ("TCP_KEEPIDLE", KEEPALIVES["idle"]),
+                ("TCP_KEEPINTVL", KEEPALIVES["interval"]),
+                ("TCP_KEEPCNT", KEEPALIVES["count"]),
+            ):
+                if hasattr(socket, option):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        conn.__class__ = guarded_connection_class()
+        return conn
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Connections made before a fork belong to the parent: never use them here.
+                self._idle = []
+                self._open = {}
+                self._pid = os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._connect()
+        if not self._ready:
+            with self._ddl_lock:
+                if not self._ready:
+                    try:
+                        self._ensure_table(conn)
+                    except BaseException:
+                        conn.close()
+                        raise
+        return conn
+
+    def _put(self, conn: Any) -> None:
+        usable = conn.open and not in_transaction(conn) and self._pid == os.getpid()
+        if usable:
+            with self._lock:
+                if len(self._idle) < self.max_idle:
+                    self._idle.append(conn)
+                    return
+        self._close(conn)
+
+    @staticmethod
+    def _close(conn: Any) -> None:
+        try:
+            if conn.open:
+                conn.close()
+        except Exception:  # pragma: no cover - closing a broken connection
+            log.debug("closing a MySQL connection failed", exc_info=True)
+
+    def close(self) -> None:
+        """Close the idle connections (open transactions are left to their holders)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            self._close(conn)
+
+    def _ensure_table(self, conn: Any) -> None:
+        found = self._flight(conn, [(self.sql.exists, self.sql.exists_params)])[0]
+        if not (found and found[0][0]):
+            if not self.create_table:
+                raise IdempotencyConnectionError(
+                    None,
+                    f"table {self.table} does not exist and create_table=False: run the "
+                    "DDL of 'celery -A <app> idempotency sql --url mysql://...' first",
+                )
+            # CREATE TABLE IF NOT EXISTS is safe to race: the server serializes it on the
+            # table's metadata lock, and the loser only gets a warning.
+            statements = [(s, ()) for s in ddl(self.table).split(";\n") if s.strip()]
+            self._send(conn, statements)
+        self._ready = True
+
+    # -- one flight -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _flight(conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Send ``statements`` as one multi-statement query and return each one's rows (or
+        affected-row count). The server stops at the first that fails; its error is raised."""
+        cur = conn.cursor()
+        try:
+            text = ";\n".join(cur.mogrify(sql, tuple(params) or None) for sql, params in statements)
+            cur.execute(text)
+            results = [cur.rowcount if cur.description is None else cur.fetchall()]
+            while cur.nextset():
+                results.append(cur.rowcount if cur.description is None else cur.fetchall())
+        finally:
+            cur.close()
+        return results
+
+    def _send(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """:meth:`_flight` on a connection outside a transaction of the guard's; on error
+        whatever it opened is rolled back, and a lost connection raised as
+        ``ConnectionError`` (a lock wait that ran out, or a deadlock, is raised as it is)."""
+        try:
+            return self._flight(conn, statements)
+        except BaseException as exc:
+            self._end(conn, commit=False)
+            if self._connection_lost(conn, exc):
+                raise ConnectionError(f"MySQL: {exc}") from exc
+            raise
+
+    @staticmethod
+    def _connection_lost(conn: Any, exc: BaseException) -> bool:
+        """Whether ``exc`` lost the connection (not a lock wait, deadlock or SQL error)."""
+        pymysql = import_pymysql()
+        if not isinstance(exc, pymysql.err.MySQLError):
+            return isinstance(exc, OSError)
+        code = error_code(exc)
+        if code in LOCK_ERRORS:
+            return False
+        return isinstance(exc, pymysql.err.InterfaceError) or not conn.open or (code or 0) >= 2000
+
+    def _end(self, conn: Any, *, commit: bool) -> None:
+        """End whatever is open (closing the connection when that fails), then pool it."""
+        try:
+            if conn.open:
+                end = "COMMIT" if commit else "ROLLBACK"
+                self._flight(conn, [(end, ()), (self.sql.wait_reset, ())])
+        except Exception:
+            log.debug("ending the transaction failed; closing the connection", exc_info=True)
+            self._close(conn)
+        self._put(conn)
+
+    # -- the steps: begin, run, end -------------------------------------------------------------
+
+    def _begin(
+        self, key: str, statements: Sequence[tuple[str, Sequence[Any]]]
+    ) -> tuple[Transaction, list[Any]]:
+        """Open a READ COMMITTED transaction and run ``statements`` in it (one flight); on
+        error it is rolled back and the error raised."""
+        conn = self._get()
+        opening = [(self.sql.isolation, ()), ("START TRANSACTION", ())]
+        results = self._send(conn, [*opening, *statements])[len(opening) :]
+        conn.celery_idem_guarded = True
+        tx = Transaction(conn, True, key, None)
+        tx.raw = conn
+        tx.pid = conn.thread_id()
+        return tx, results
+
+    def _run(
+        self, tx: Transaction, statements: Sequence[tuple[str, Sequence[Any]]], *, commit: bool
+    ) -> list[Any]:
+        """Run ``statements`` in ``tx`` (and COMMIT, when asked) in one flight."""
+        conn = tx.conn
+        if commit:
+            conn.celery_idem_guarded = False
+            if not in_transaction(conn):
+                # The body ended the guard's transaction itself (a raw COMMIT or ROLLBACK):
+                # whatever it committed is not this commit's to vouch for.
+                raise RuntimeError("the guard's transaction was ended inside the body")
+            statements = [*statements, ("COMMIT", ())]
+        try:
+            results = self._flight(conn, statements)
+        except Exception as exc:
+            if self._connection_lost(conn, exc):
+                raise ConnectionError(f"MySQL: {exc}") from exc
+            raise
+        return results[: len(results) - 1] if commit else results
+
+    def _rollback(self, tx: Transaction) -> None:
+        tx.conn.celery_idem_guarded = False
+        self._end(tx.conn, commit=False)
+
+    def _finish(self, tx: Transaction) -> None:
+        self._put(tx.conn)
+
+    def _alive(self, tx: Transaction) -> bool:
+        conn = tx.conn
+        return bool(conn.open) and in_transaction(conn) and socket_alive(conn._sock)
+
+    def autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run ``statements`` in a READ COMMITTED transaction of their own and commit
+        (one flight)."""
+        conn = self._get()
+        opening = [(self.sql.isolation, ()), ("START TRANSACTION", ())]
+        results = self._send(conn, [*opening, *statements, ("COMMIT", ())])
+        self._put(conn)
+        return results[len(opening) : -1]
+
+    def _connection_of(self, tx: Transaction) -> Any:
+        return tx.conn

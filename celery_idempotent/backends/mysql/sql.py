@@ -1,0 +1,212 @@
+"""The MySQL / MariaDB backend's tables: their DDL and the SQL of every step.
+
+:mod:`celery_idempotent.backends.mysql` runs these statements; nothing here opens a
+connection. A row holds a record as the PostgreSQL backend's does
+(:func:`~celery_idempotent.backends.postgres.sql.record_columns`,
+:func:`~celery_idempotent.backends.postgres.sql.decode_row`, shared).
+
+Every timestamp is the server's ``UTC_TIMESTAMP(6)``: it does not depend on a session's
+``time_zone``, so workers whose sessions differ still agree when a record expires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from celery_idempotent.backends.postgres.sql import DEFAULT_TABLE, check_table
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "FENCED",
+    "LOCK_ERRORS",
+    "MAX_KEY",
+    "SAVEPOINT_GONE",
+    "Statements",
+    "check_table",
+    "ddl",
+    "error_code",
+    "lock_seconds",
+    "quote_table",
+]
+
+#: The longest key a row holds (characters): the primary key is ``VARCHAR(700)`` in
+#: ``utf8mb4`` (2,800 bytes, under InnoDB's 3,072-byte index limit).
+MAX_KEY = 700
+#: A lock wait that ran out (``innodb_lock_wait_timeout``; MariaDB's ``NOWAIT`` too), MySQL's
+#: ``NOWAIT`` refusal, and a deadlock (InnoDB rolled the whole transaction back).
+LOCK_ERRORS = frozenset({1205, 3572, 1213})
+#: ``Result consisted of more than one row``: raised on purpose by
+#: :attr:`Statements.fenced` when the commit's UPDATE found no row of this lease.
+FENCED = 1172
+#: ``SAVEPOINT does not exist``: the claim's savepoint (:attr:`Statements.mark`) is gone, so
+#: the guard's transaction ended inside the body (a raw COMMIT, ROLLBACK or DDL, and maybe a
+#: new BEGIN): the commit is refused.
+SAVEPOINT_GONE = 1305
+#: Where an expired or never-written row's ``expires_at`` points (DATETIME's first year).
+PAST = "1000-01-01 00:00:00"
+
+
+def quote_table(table: str) -> str:
+    """``table`` (``name`` or ``database.name``) quoted for MySQL."""
+    return ".".join(f"`{part}`" for part in table.split("."))
+
+
+def _names(table: str) -> tuple[str, str, str]:
+    """(database part with its dot or '', table name, fencing table's quoted name)."""
+    name = table.rsplit(".", maxsplit=1)[-1]
+    schema = table[: -len(name)]
+    return schema, name, quote_table(schema + name + "_fencing")
+
+
+def ddl(table: str = DEFAULT_TABLE) -> str:
+    """The SQL that creates the backend's two tables (idempotent: ``IF NOT EXISTS``), for
+    teams that run DDL themselves (``celery -A app idempotency sql --url mysql://...``).
+
+    ``<table>_fencing`` holds no rows: its ``AUTO_INCREMENT`` counter draws the fencing
+    tokens (never rolled back, persisted across restarts by MySQL 8 and MariaDB 10.2.4+).
+    Do not ``TRUNCATE`` it: that resets the counter, and tokens would start again from 1.
+    """
+    check_table(table)
+    _schema, name, fencing = _names(table)
+    t = quote_table(table)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {t} (\n"
+        f"    `key`            VARCHAR({MAX_KEY}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+        "NOT NULL,\n"
+        "    state            VARCHAR(16) NOT NULL,   -- 'completed' (committed rows)\n"
+        "    fencing_token    BIGINT,\n"
+        "    fingerprint      TEXT,\n"
+        "    content_type     VARCHAR(255),\n"
+        "    content_encoding VARCHAR(64),\n"
+        "    result           LONGBLOB,\n"
+        "    created_at       DOUBLE,\n"
+        "    expires_at       DATETIME(6) NOT NULL,   -- UTC\n"
+        "    PRIMARY KEY (`key`),\n"
+        f"    INDEX `{name}_expires_at` (expires_at)\n"
+        ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin;\n"
+        f"CREATE TABLE IF NOT EXISTS {fencing} (\n"
+        "    id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY\n"
+        ") ENGINE=InnoDB;\n"
+    )
+
+
+def error_code(exc: BaseException | None) -> int | None:
+    """The MySQL error number of ``exc`` (PyMySQL, mysqlclient, or Django's wrapper of
+    either: its ``__cause__``), or ``None``."""
+    for each in (exc, getattr(exc, "__cause__", None)):
+        args = getattr(each, "args", None)
+        if args and isinstance(args[0], int):
+            return args[0]
+    return None
+
+
+def lock_seconds(timeout: float) -> int:
+    """``innodb_lock_wait_timeout`` for a wait of ``timeout`` seconds: whole seconds, rounded
+    up (0: no wait, on MariaDB; MySQL waits at least 1 second)."""
+    whole = int(timeout)
+    return whole if whole == timeout else whole + 1
+
+
+class Statements:
+    """The SQL of one table (``%s`` parameters, as PyMySQL and Django's engine take them)."""
+
+    def __init__(self, table: str) -> None:
+        t = quote_table(table)
+        schema, name, fencing = _names(table)
+        self.table = table
+        self.fencing = fencing
+        now = "UTC_TIMESTAMP(6)"
+        fields = "state, fingerprint, content_type, content_encoding, result, created_at, "
+        fields += "fencing_token"
+        # The guard's statements need READ COMMITTED, set for each of its transactions (the
+        # body's writes share it, as on PostgreSQL, whose default it is): under InnoDB's
+        # REPEATABLE READ the sweep's range scan of expires_at would take gap locks, and
+        # every first claim inserts its row into that range (expires_at = PAST), so claims
+        # would queue behind a sweep. The claim's own reads are locking reads of one primary
+        # key, which see the latest committed row at any level.
+        self.isolation = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        # lock_timeout for the claim only; the body's statements get the session's own back.
+        self.wait = (
+            "SET @celery_idem_wait = @@SESSION.innodb_lock_wait_timeout, "
+            "SESSION innodb_lock_wait_timeout = %s"
+        )
+        self.wait_reset = (
+            "SET SESSION innodb_lock_wait_timeout = "
+            "COALESCE(@celery_idem_wait, @@SESSION.innodb_lock_wait_timeout)"
+        )
+        # The key's row, inserted when missing, exclusively locked either way: ON DUPLICATE
+        # KEY UPDATE takes an X lock on an existing row (INSERT IGNORE would take a shared
+        # one, and two duplicates each holding it would deadlock on the way to X). A holder's
+        # row (or its uncommitted insert) makes this wait, at most innodb_lock_wait_timeout.
+        self.insert = (
+            f"INSERT INTO {t} (`key`, state, fencing_token, expires_at) "
+            f"VALUES (%s, 'running', 0, '{PAST}') ON DUPLICATE KEY UPDATE `key` = `key`"
+        )
+        # A new fencing token, drawn after the row lock is ours (successive holders draw in
+        # order): the fencing table's AUTO_INCREMENT, whose row is deleted again at once.
+        self.draw = f"INSERT INTO {fencing} () VALUES ()"
+        self.drop = f"DELETE FROM {fencing} WHERE id = LAST_INSERT_ID()"
+        # Claim: the row is ours unless it holds an unexpired record.
+        self.claim = (
+            f"UPDATE {t} SET state = 'running', fencing_token = LAST_INSERT_ID() "
+            f"WHERE `key` = %s AND (state <> 'completed' OR expires_at <= {now})"
+        )
+        # Lock only (LockProvider.acquire): the row whatever it holds.
+        self.lock = f"UPDATE {t} SET fencing_token = LAST_INSERT_ID() WHERE `key` = %s"
+        # The claim's mark in its transaction: a savepoint lives only as long as the
+        # transaction, so the commit's RELEASE of it fails when the body ended the guard's
+        # transaction and began another ("COMMIT; BEGIN": in a transaction again, the status
+        # flag alone cannot tell). It runs first, before the UPDATE could wait on a row lock.
+        self.mark = "SAVEPOINT celery_idempotent_claim"
+        self.unmark = "RELEASE SAVEPOINT celery_idempotent_claim"
+        self.token = "SELECT LAST_INSERT_ID()"  # noqa: S105 - SQL, not a password
+        self.select = (
+            f"SELECT {fields} FROM {t} WHERE `key` = %s AND state = 'completed' "
+            f"AND expires_at > {now}"
+        )
+        # Commit: only the lease's own row. No row: `fenced` raises (a SELECT ... INTO of two
+        # rows), which stops the statements sent with it, so the COMMIT after it never runs
+        # and the body's writes are rolled back with the claim.
+        self.commit = (
+            f"UPDATE {t} SET state = 'completed', fingerprint = %s, content_type = %s, "
+            "content_encoding = %s, result = %s, created_at = %s, "
+            f"expires_at = {now} + INTERVAL ROUND(%s * 1000000) MICROSECOND "
+            "WHERE `key` = %s AND fencing_token = %s"
+        )
+        self.fenced = (
+            "SELECT 1 FROM (SELECT 1 UNION ALL SELECT 2) AS two WHERE ROW_COUNT() < 1 "
+            "INTO @celery_idem_fenced"
+        )
+        # After a lost reply: did this lease's commit land? (With the session check below.)
+        self.verify = f"SELECT state, fencing_token FROM {t} WHERE `key` = %s"
+        self.session = "SELECT COUNT(*) > 0 FROM information_schema.PROCESSLIST WHERE ID = %s"
+        values = (
+            "state = 'completed', fencing_token = %s, fingerprint = %s, content_type = %s, "
+            "content_encoding = %s, result = %s, created_at = %s, "
+            f"expires_at = {now} + INTERVAL ROUND(%s * 1000000) MICROSECOND"
+        )
+        self.upsert = f"INSERT INTO {t} SET `key` = %s, {values} ON DUPLICATE KEY UPDATE {values}"
+        self.delete = (
+            f"DELETE FROM {t} WHERE `key` = %s AND state = 'completed' AND expires_at > {now}"
+        )
+        self.delete_any = f"DELETE FROM {t} WHERE `key` = %s"
+        self.probe = f"SELECT 1 FROM {t} WHERE `key` = %s FOR UPDATE NOWAIT"
+        # The sweep, in two steps of one transaction (a DELETE cannot skip locked rows):
+        # the oldest expired rows no claim holds, then those rows.
+        self.expired = (
+            f"SELECT `key` FROM {t} WHERE expires_at < {now} ORDER BY expires_at LIMIT %s "
+            "FOR UPDATE SKIP LOCKED"
+        )
+        self.schema = schema.rstrip(".")
+        self.exists = (
+            "SELECT COUNT(*) = 2 FROM information_schema.TABLES WHERE "
+            "TABLE_SCHEMA = COALESCE(NULLIF(%s, ''), DATABASE()) AND TABLE_NAME IN (%s, %s)"
+        )
+        self.exists_params: tuple[Any, ...] = (self.schema, name, name + "_fencing")
+
+    def delete_keys(self, keys: Sequence[str]) -> list[tuple[str, tuple[str]]]:
+        """One ``DELETE`` by primary key per key (the sweep's second step): ``key IN (...)``
+        may be planned as a scan on a small table, which would wait on the rows a running
+        claim holds; a primary-key lookup touches only its own row, locked by us already."""
+        return [(self.delete_any, (key,)) for key in keys]
