@@ -10,7 +10,10 @@ kind first in a third of the rounds:
 - ``idempotent_duplicate``: the same task with the arguments of the previous round's first
   block, so every delivery replays a stored result.
 
-Throughput is tasks per second from the first publish to the last result.
+Throughput is tasks per second from the first publish to the last result. Redis's own CPU
+(``INFO cpu``, user + system, read before and after each block) is summed per kind: the server
+CPU per task, broker, result backend and store included, what a user sizes their Redis by. On a
+shared server (``--redis-url``) everybody's load is in it; the private server has only ours.
 """
 
 from __future__ import annotations
@@ -104,9 +107,14 @@ def run(
         worker = subprocess.Popen(
             command, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT
         )
+        import redis
+
+        server = redis.Redis.from_url(url)
         try:
             with neighbours(load) if load else contextlib.nullcontext():
-                seconds, counts, blocks = _measure(e2e_app, worker, rounds, tasks, concurrency)
+                seconds, counts, blocks = _measure(
+                    e2e_app, worker, rounds, tasks, concurrency, server_cpu=server_cpu(server)
+                )
         except BaseException:
             log.seek(0)
             tail = log.read()[-4000:].decode("utf-8", "replace")
@@ -121,6 +129,7 @@ def run(
                 worker.wait(10)
             with contextlib.suppress(Exception):
                 e2e_app.app.close()
+            server.close()
 
     tps = {k: counts[k] / seconds[k] for k in seconds}
     # Rounds are short and their blocks adjacent: the median of the per-round ratios is what
@@ -129,7 +138,26 @@ def run(
         kind: [round(b / p, 3) for b, p in zip(blocks[kind], blocks["plain"])]
         for kind in ("idempotent_first", "idempotent_duplicate")
     }
+    cpu = {k: blocks.pop(f"redis_cpu_s:{k}") for k in list(seconds)}
+    by_command: dict[str, Any] = {k: blocks.pop(f"redis_commands:{k}") for k in list(seconds)}
+    cpu_us = {k: round(sum(cpu[k]) * 1e6 / counts[k], 1) for k in seconds}
+    cpu_rounds = {
+        kind: [round(b / p, 3) for b, p in zip(cpu[kind], cpu["plain"]) if p > 0]
+        for kind in ("idempotent_first", "idempotent_duplicate")
+    }
     return {
+        # Redis server CPU (INFO cpu) per task, by kind, and the idempotent kinds' ratios to
+        # plain: all rounds together, and the median of the per-round ratios.
+        "redis_cpu_us_per_task": cpu_us,
+        # Where it goes: calls and µs per task by command (INFO commandstats: execution only;
+        # INFO cpu minus their sum is reading, parsing and answering requests, and the rest).
+        "redis_commands_per_task": by_command,
+        "redis_cpu_ratio_first": round(cpu_us["idempotent_first"] / cpu_us["plain"], 3),
+        "redis_cpu_ratio_duplicate": round(cpu_us["idempotent_duplicate"] / cpu_us["plain"], 3),
+        "redis_cpu_ratio_first_median_of_rounds": statistics.median(cpu_rounds["idempotent_first"]),
+        "redis_cpu_ratio_duplicate_median_of_rounds": statistics.median(
+            cpu_rounds["idempotent_duplicate"]
+        ),
         "pool": pool,
         "concurrency": concurrency,
         "neighbours": load,
@@ -145,8 +173,48 @@ def run(
     }
 
 
+def server_cpu(client: Any) -> Any:
+    """A function giving the Redis server's CPU seconds so far (``INFO cpu``: user + system,
+    of every thread of the server) and its ``INFO commandstats`` (``{command: (calls,
+    usec)}``: what each command's execution cost, without reading and parsing requests)."""
+
+    def read() -> tuple[float, dict[str, tuple[int, int]]]:
+        info = client.info("cpu")
+        stats = client.info("commandstats")
+        commands = {
+            name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+            for name, v in stats.items()
+        }
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), commands
+
+    return read
+
+
+def _per_task_commands(
+    deltas: list[dict[str, tuple[int, int]]], tasks: int
+) -> dict[str, dict[str, float]]:
+    """Calls and µs per task by command over the blocks of one kind (``INFO commandstats``)."""
+    total: dict[str, list[int]] = {}
+    for delta in deltas:
+        for name, (calls, usec) in delta.items():
+            entry = total.setdefault(name, [0, 0])
+            entry[0] += calls
+            entry[1] += usec
+    return {
+        name: {"calls": round(calls / tasks, 2), "us": round(usec / tasks, 1)}
+        for name, (calls, usec) in sorted(total.items(), key=lambda kv: -kv[1][1])
+        if calls
+    }
+
+
 def _measure(
-    e2e_app: Any, worker: subprocess.Popen[bytes], rounds: int, tasks: int, concurrency: int
+    e2e_app: Any,
+    worker: subprocess.Popen[bytes],
+    rounds: int,
+    tasks: int,
+    concurrency: int,
+    *,
+    server_cpu: Any = None,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, list[float]]]:
     from celery import group
     from celery.exceptions import TimeoutError as CeleryTimeoutError
@@ -181,6 +249,10 @@ def _measure(
     seconds = {"plain": 0.0, "idempotent_first": 0.0, "idempotent_duplicate": 0.0}
     counts = dict.fromkeys(seconds, 0)
     blocks: dict[str, list[float]] = {k: [] for k in seconds}
+    # Redis CPU seconds of each block, under "redis_cpu_s:<kind>" (run() takes them out).
+    blocks.update({f"redis_cpu_s:{k}": [] for k in seconds})
+    read_cpu = server_cpu or (lambda: (0.0, {}))
+    commands: dict[str, list[dict[str, tuple[int, int]]]] = {k: [] for k in seconds}
     # Duplicates replay the first executions of the round before (round 0's are seeded
     # untimed), so that every kind can take every place in the rotation.
     previous = range(-tasks - 10**5, -(10**5))
@@ -194,12 +266,25 @@ def _measure(
         ]
         shift = r % len(kinds)
         for kind, task, a in kinds[shift:] + kinds[:shift]:
+            c0, s0 = read_cpu()
             t0 = time.perf_counter()
             gather(task, a)
             elapsed = time.perf_counter() - t0
+            c1, s1 = read_cpu()
+            blocks[f"redis_cpu_s:{kind}"].append(c1 - c0)
+            commands[kind].append(
+                {
+                    name: (calls - s0.get(name, (0, 0))[0], usec - s0.get(name, (0, 0))[1])
+                    for name, (calls, usec) in s1.items()
+                    if name != "info"  # the reads around the block
+                }
+            )
             seconds[kind] += elapsed
             counts[kind] += len(a)
             blocks[kind].append(round(len(a) / elapsed, 1))
         previous = args
     e2e_app.app.close()
+    blocks.update(  # type: ignore[dict-item]
+        {f"redis_commands:{k}": _per_task_commands(v, counts[k]) for k, v in commands.items()}
+    )
     return seconds, counts, blocks

@@ -276,14 +276,26 @@ def targets(
             continue
         tps = run["tasks_per_second"]
         load = f"; {run['neighbours']} CPU-bound neighbours" if run.get("neighbours") else ""
+        # The server's CPU per task: from the quiet run (the neighbours do not change it).
+        cpu = None if where else run.get("redis_cpu_us_per_task")
         for label, kind, short in (
             ("first executions", "idempotent_first", "first"),
             ("duplicates", "idempotent_duplicate", "duplicate"),
         ):
+            if cpu:  # result files from before this figure have none
+                add(
+                    f"Redis server CPU per task, {label} vs plain (broker, backend, store on it)",
+                    run[f"redis_cpu_ratio_{short}"],
+                    1.15,
+                    "×",
+                    f"{cpu[kind]:.1f} / {cpu['plain']:.1f} µs per task (INFO cpu), all rounds "
+                    f"together; median of per-round ratios "
+                    f"{run[f'redis_cpu_ratio_{short}_median_of_rounds']:.2f}",
+                )
             add(
                 f"end-to-end throughput{where}, {label} vs plain",
                 run[f"ratio_{short}_median_of_rounds"],
-                0.97,
+                0.98,
                 "×",
                 f"median of {run['rounds']} per-round ratios; all rounds together "
                 f"{tps[kind]:.0f} / {tps['plain']:.0f} tasks/s = {tps[kind] / tps['plain']:.2f}"
@@ -434,6 +446,60 @@ def render(result: dict[str, Any]) -> str:
                     f"| {label} | {tps[kind]:.0f} | {tps[kind] / tps['plain']:.2f} "
                     f"| {medians[kind]:.2f} |"
                 )
+            cpu = e2e.get("redis_cpu_us_per_task")
+            if cpu:
+                lines.append("")
+                lines.append(
+                    "Redis server CPU per task (INFO cpu, user + system; the one Redis is "
+                    "broker, result backend and store):"
+                )
+                lines.append("")
+                lines.append("| task | Redis CPU µs/task | vs plain | vs plain, median of rounds |")
+                lines.append("|---|---:|---:|---:|")
+                ratios = {
+                    "plain": (1.0, 1.0),
+                    "idempotent_first": (
+                        e2e["redis_cpu_ratio_first"],
+                        e2e["redis_cpu_ratio_first_median_of_rounds"],
+                    ),
+                    "idempotent_duplicate": (
+                        e2e["redis_cpu_ratio_duplicate"],
+                        e2e["redis_cpu_ratio_duplicate_median_of_rounds"],
+                    ),
+                }
+                for kind, label in (
+                    ("plain", "@app.task"),
+                    ("idempotent_first", "base=IdempotentTask, first executions"),
+                    ("idempotent_duplicate", "base=IdempotentTask, duplicates"),
+                ):
+                    lines.append(
+                        f"| {label} | {cpu[kind]:.1f} | {ratios[kind][0]:.2f} "
+                        f"| {ratios[kind][1]:.2f} |"
+                    )
+                by_command = e2e.get("redis_commands_per_task")
+                if by_command:
+                    lines.append("")
+                    lines.append(
+                        "Where it goes, per task: the library's scripts (EVALSHA, INFO "
+                        "commandstats: their execution, the commands they call included) and "
+                        "everything else (Celery's broker and result commands, and reading, "
+                        "parsing and answering every round trip). Top commands: calls × µs "
+                        "(a command run inside a script or MULTI is also counted on its own)."
+                    )
+                    lines.append("")
+                    lines.append("| task | CPU µs | EVALSHA calls | EVALSHA µs | rest µs | top |")
+                    lines.append("|---|---:|---:|---:|---:|---|")
+                    for kind in ("plain", "idempotent_first", "idempotent_duplicate"):
+                        stats = by_command[kind]
+                        script = stats.get("evalsha", {"calls": 0, "us": 0.0})
+                        top = ", ".join(
+                            f"{name} {v['calls']:g}×{v['us'] / v['calls']:.1f}"
+                            for name, v in list(stats.items())[:5]
+                        )
+                        lines.append(
+                            f"| {kind} | {cpu[kind]:.1f} | {script['calls']:g} "
+                            f"| {script['us']:.1f} | {cpu[kind] - script['us']:.1f} | {top} |"
+                        )
     mem = result.get("memory_store")
     if mem:
         lines.append("")

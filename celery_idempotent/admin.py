@@ -220,9 +220,15 @@ def status_from_guard(
             fencing_token=record.fencing_token,
             fingerprint=record.fingerprint,
         )
+    # A store with the publish side's marker (PostgreSQL) may say who queued the key.
+    queued_of = getattr(guard.store, "queued_marker", None)
+    marker = queued_of(guard.record_key(key)) if callable(queued_of) else None
+    task_id, ttl = marker if marker is not None else (None, None)
     is_locked = getattr(guard.lock_provider, "is_locked", None)
     if callable(is_locked) and is_locked(guard.lock_resource(key)):
-        return IdempotencyStatus(key=key, state="running")
+        return IdempotencyStatus(key=key, state="running", task_id=task_id)
+    if marker is not None:
+        return IdempotencyStatus(key=key, state="queued", task_id=task_id, ttl=ttl)
     return IdempotencyStatus(key=key, state="absent")
 
 
@@ -239,8 +245,11 @@ def forget_from_guard(guard: DistributedIdempotencyGuard, key: str, *, force: bo
             "the key's lock is held: a delivery is running its body now"
             + (" (this backend cannot delete a lease it does not hold)" if force else ""),
         )
+    name = guard.record_key(key)
+    if status.state == "queued" and status.task_id is not None:
+        dropped = guard.store.drop_queued(name, status.task_id)  # type: ignore[attr-defined]
+        return Forgotten(key=key, state="queued", deleted=(name,) if dropped else ())
     if status.state != "completed":
         return Forgotten(key=key, state=status.state)
-    name = guard.record_key(key)
     guard.store.delete(name)
     return Forgotten(key=key, state="completed", deleted=(name,))

@@ -141,9 +141,10 @@ class IdempotencySettings:
     idempotency_window: float | None = setting(
         None, check_window, nullable=True, none_as_option=True
     )
-    #: replicas every claim and commit must reach (Redis ``WAIT``, in the same round trip)
-    #: before it counts; 0: do not wait. For Sentinel setups, see "Sentinel and Redis
-    #: Cluster" in the docs.
+    #: replicas every claim, renewal and commit must reach (Redis ``WAIT``, in the same
+    #: round trip) before it counts; 0: do not wait. A failover loses no commit only when it
+    #: is every replica the master has (a worker warns at start otherwise): see "Sentinel and
+    #: Redis Cluster" in the docs.
     idempotency_wait_replicas: int = setting(0, check_count)
     #: seconds ``WAIT`` may block for ``idempotency_wait_replicas`` (shorter than
     #: ``idempotency_lock_ttl``): a claim that misses its replicas is given back and the

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
     from celery_idempotent.core.guard import DistributedIdempotencyGuard
 
-__all__ = ["drop_queued_marker", "publish"]
+__all__ = ["drop_queued_marker", "publish", "publish_checker"]
 
 log = logging.getLogger("celery_idempotent")
 
@@ -310,8 +310,8 @@ def _plan_publish(
         return _PublishPlan(task_id=task_id)
     key, _, fingerprint = prepared
     guard = factory.guard(task, cfg)
-    store = guard.store
-    if not isinstance(store, ChecksPublishes):  # the run-time guard decides alone
+    store = publish_checker(guard.store)
+    if store is None:  # the run-time guard decides alone
         return _PublishPlan(task_id=task_id)
     check = _Check(
         store,
@@ -323,6 +323,17 @@ def _plan_publish(
         policy,
     )
     return _PublishPlan(task_id=task_id, check=check)
+
+
+def publish_checker(store: Any) -> ChecksPublishes | None:
+    """``store`` when it has the :class:`ChecksPublishes` capability (and, when it says
+    whether it can with ``checks_publishes()``, says yes), else ``None``."""
+    if not isinstance(store, ChecksPublishes):
+        return None
+    able = getattr(store, "checks_publishes", None)
+    if callable(able) and not able():
+        return None
+    return store
 
 
 def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecision) -> Any:
@@ -361,9 +372,9 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
 
 def drop_queued_marker(task: IdempotentTask, guard: DistributedIdempotencyGuard, key: str) -> None:
     """End the queued marker of the delivery running now (its body failed for good)."""
-    store = guard.store
+    store = publish_checker(guard.store)
     task_id = task.request.id
-    if not isinstance(store, ChecksPublishes) or task_id is None:
+    if store is None or task_id is None:
         return
     try:
         store.drop_queued(guard.record_key(key), str(task_id))

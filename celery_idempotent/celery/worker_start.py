@@ -38,6 +38,7 @@ __all__ = [
     "check_namespaces",
     "check_pool",
     "check_postgres",
+    "check_replicas",
     "check_setting_names",
     "run_startup_checks",
 ]
@@ -281,6 +282,67 @@ def _read_policy(cfg: IdempotencySettings) -> tuple[str | None, str | None]:
     return None, "idempotency_client is a factory; it is not called at start"
 
 
+@applies_to("redis")
+def check_replicas(app: Any, tasks: list[Resolved]) -> list[str]:
+    """``idempotency_wait_replicas`` against the replicas each master has now (one ``INFO
+    replication`` each): more than it has, every claim is given back and re-queued (ERROR);
+    fewer, a Sentinel failover can lose commits that a replica which is not promoted
+    confirmed, since the old master keeps it until it is demoted (WARNING; measured in
+    ``docs/operations/sentinel-cluster.md``)."""
+    seen: dict[Any, tuple[IdempotencySettings, list[str]]] = {}
+    for name, _, cfg in tasks:
+        if cfg.idempotency_wait_replicas:
+            source = cfg.idempotency_client
+            ident = ("url", cfg.backend_url) if source is None else ("client", id(source))
+            entry = seen.setdefault((ident, cfg.idempotency_wait_replicas), (cfg, []))
+            entry[1].append(name)
+    messages: list[str] = []
+    for (_, wait), (cfg, names) in seen.items():
+        replicas = _replica_count(cfg)
+        if replicas is None or replicas == wait:
+            continue
+        what = f"idempotency_wait_replicas={wait} (tasks {', '.join(sorted(names))})"
+        where = f"the master at {backend_label(cfg)} has {replicas} replica(s) connected"
+        if replicas < wait:
+            messages.append(
+                StartupError(
+                    f"{what}, but {where}: every claim is given back and its delivery "
+                    f"re-queued until {wait} are"
+                )
+            )
+        else:
+            messages.append(
+                f"{what}, and {where}: in a failover the old master keeps confirming writes "
+                "through a replica that is not promoted until it is demoted, and commits "
+                f"confirmed that way are lost; set it to {replicas} to lose none"
+            )
+    return messages
+
+
+def _replica_count(cfg: IdempotencySettings) -> int | None:
+    """``connected_slaves`` of the Redis of ``cfg``, or ``None`` when it cannot be read."""
+    source = cfg.idempotency_client
+    redis_mod = import_redis()
+    close = True
+    if source is None:
+        client = redis_mod.Redis.from_url(
+            cfg.backend_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+    elif callable(getattr(source, "register_script", None)):
+        client, close = source, False
+    elif isinstance(source, SentinelClientFactory):
+        client = source()
+    else:
+        return None  # a user's factory is called once per worker process, not here
+    try:
+        return int(client.info("replication").get("connected_slaves", 0))
+    except Exception:  # unreachable or INFO refused: the other checks say so
+        return None
+    finally:
+        if close:
+            client.close()
+
+
 @applies_to("postgres")
 def check_postgres(app: Any, tasks: list[Resolved]) -> list[str]:
     """Each PostgreSQL backend of the tasks answers, and has its table: an unknown
@@ -322,6 +384,7 @@ STARTUP_CHECKS: list[Callable[[Any, list[Resolved]], list[str]]] = [
     check_delivery,
     check_pool,
     check_eviction,
+    check_replicas,
     check_postgres,
 ]
 

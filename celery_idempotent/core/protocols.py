@@ -127,6 +127,8 @@ class ChecksPublishes(Protocol):
     naming ``task_id`` that lives ``publish_ttl`` seconds (until a delivery commits a record
     over it or :meth:`drop_queued` removes it). ``lock`` is the key's lock resource. A check
     that cannot decide says "publish" with ``unchecked=True`` (the guard decides at run time).
+    A store may also offer ``checks_publishes() -> bool``: ``False`` withdraws the capability
+    (a subclass whose backend cannot make the check).
     """
 
     def check_publish(

@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -95,3 +96,51 @@ def test_a_real_worker_logs_its_idempotent_tasks_and_a_bad_setting_at_start(
     finally:
         good.stop()
         bad.stop()
+
+
+def test_wait_replicas_is_checked_against_the_replicas_the_master_has(
+    redis_server_factory: Callable[..., Any],
+) -> None:
+    """More replicas waited for than the master has: every claim would be given back (an
+    ERROR at start); fewer than it has: a failover can lose commits (a WARNING naming the
+    value to set); as many: nothing to say."""
+    from celery_idempotent.celery.worker_start import StartupError, check_replicas
+    from celery_idempotent.settings import resolve
+
+    master = redis_server_factory()
+    replicas: list[Any] = []
+
+    def found(wait: int) -> list[str]:
+        app = Celery(f"replicas-{uuid.uuid4().hex[:8]}", broker="memory://")
+        app.conf.update(idempotency_url=master.url, idempotency_wait_replicas=wait)
+        try:
+
+            @app.task(base=IdempotentTask, shared=False, name="replicas.charge")
+            def charge() -> int:
+                return 1
+
+            return check_replicas(app, [("replicas.charge", charge, resolve(app, charge))])
+        finally:
+            clear_cache(app)
+            app.close()
+
+    def attach() -> None:
+        replica = redis_server_factory(extra_config=[f"replicaof {master.host} {master.port}"])
+        replicas.append(replica)
+        client = master.client()
+        assert wait_for(
+            lambda: int(client.info("replication")["connected_slaves"]) == len(replicas), 30
+        )
+
+    attach()
+    assert found(1) == []
+    (error,) = found(2)
+    assert isinstance(error, StartupError)
+    assert "has 1 replica(s) connected: every claim is given back" in error
+    attach()
+    (warning,) = found(1)
+    assert not isinstance(warning, StartupError)
+    assert "idempotency_wait_replicas=1 (tasks replicas.charge)" in warning
+    assert "set it to 2 to lose none" in warning
+    assert found(2) == []
+    assert found(0) == []

@@ -10,7 +10,7 @@ Per page, in order and in one namespace (as a reader goes down the page):
   ``<!-- example: not run (the reason) -->``;
 - a block made only of ``--8<-- "path"`` lines (pymdownx.snippets includes), or right after
   ``<!-- include: path -->`` (a copy of the file, ``docs/_ext/hooks.py``), is not executed
-  here: it must name files of the sample project, which ``tests/plugin`` runs;
+  here: it must name files of a sample project (``SAMPLES``), which ``tests/plugin`` runs;
 - ``<!-- example-setup`` ... ``-->`` is executed where it stands, hidden from the reader: what
   a block takes from the reader's own project (an ``app``, a stand-in for a payment gateway).
 """
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = "tests/plugin/sample_project/"
+#: The sample projects whose files a page may include (their own pytest processes run them).
+SAMPLES = ("tests/plugin/sample_project/", "tests/plugin/django_project/")
 FENCE = re.compile(r"^```(\w*)[^\n]*$")
 NOT_RUN = re.compile(r"^<!-- example: not run \((.+)\) -->$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
@@ -90,7 +91,9 @@ def run_page(path: Path, redis_url: str) -> list[dict[str, Any]]:
         includes = [SNIPPET.match(ln.strip()) for ln in code.splitlines() if ln.strip()]
         if item["kind"] == "block" and (item["include"] or (includes and all(includes))):
             paths = [item["include"]] if item["include"] else [m.group(1) for m in includes if m]
-            bad = [p for p in paths if not p.startswith(SAMPLE) or not (ROOT / p).is_file()]
+            # "path:section" includes a named section (pymdownx.snippets) of the file.
+            files = [p.split(":", 1)[0] for p in paths]
+            bad = [p for p in files if not p.startswith(SAMPLES) or not (ROOT / p).is_file()]
             entry.update(status="snippet", paths=paths)
             if bad:
                 entry.update(status="error", error=f"not a sample-project file: {bad}")

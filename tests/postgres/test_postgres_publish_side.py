@@ -132,3 +132,33 @@ def test_threads_publishing_one_key_at_once_make_one_publish(pg_backend: Any) ->
     assert len(published) == 1, decisions
     assert all(d.unchecked is False for d in decisions.values())
     assert {d.task_id for tid, d in decisions.items() if tid not in published} == set(published)
+
+
+def test_status_and_forget_see_the_marker(pg_backend: Any) -> None:
+    from celery_idempotent import DistributedIdempotencyGuard, admin
+
+    guard = DistributedIdempotencyGuard(store=pg_backend, lock_provider=pg_backend)
+    key = "pub.charge:key:order-9"
+    record, lock = guard.record_key(key), guard.lock_resource(key)
+    assert admin.status_from_guard(guard, key).state == "absent"
+    assert pg_backend.check_publish(record, lock, "t-9", "fp", 60).action == "publish"
+    status = admin.status_from_guard(guard, key)
+    assert (status.state, status.task_id) == ("queued", "t-9")
+    assert status.ttl is not None
+    assert 0 < status.ttl <= 60
+    gone = admin.forget_from_guard(guard, key, force=False)
+    assert (gone.state, gone.deleted) == ("queued", (record,))
+    assert admin.status_from_guard(guard, key).state == "absent"
+
+
+def test_a_subclass_without_the_statement_leaves_publishes_to_the_guard(pg_backend: Any) -> None:
+    from celery_idempotent.celery.publish import publish_checker
+
+    assert publish_checker(pg_backend) is pg_backend
+    pytest.importorskip("pymysql", reason="the MySQL backend's driver (test extra)")
+    from celery_idempotent.backends.mysql.backend import MySQLBackend
+
+    mysql = MySQLBackend("mysql://root@127.0.0.1:3306/none")  # no connection is made
+    assert mysql.checks_publishes() is False
+    assert publish_checker(mysql) is None
+    assert mysql.queued_marker("idempotency:{t:key:k}") is None

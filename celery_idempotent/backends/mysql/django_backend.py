@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_idempotent.backends.mysql.backend import MySQLBackend
-from celery_idempotent.backends.mysql.sql import LOCK_ERRORS, ddl, error_code
+from celery_idempotent.backends.mysql.sql import DEFAULT_TABLE, LOCK_ERRORS, ddl, error_code
 from celery_idempotent.backends.postgres.connections import Rollback, Transaction
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
@@ -106,6 +106,20 @@ class DjangoMySQLBackend(MySQLBackend):
             cur.execute(self.sql.exists, list(self.sql.exists_params))
             row = cur.fetchone()
         if not (row and row[0]):
+            from celery_idempotent.contrib.django import is_installed  # noqa: PLC0415
+
+            if is_installed():
+                raise IdempotencyConnectionError(
+                    None,
+                    f"table {self.table} does not exist on django://{self.alias}: with "
+                    "celery_idempotent.contrib.django installed the backend runs no DDL; "
+                    + (
+                        "run `manage.py migrate celery_idempotent`"
+                        if self.table == DEFAULT_TABLE
+                        else "create it with `celery -A proj idempotency sql --dialect mysql` "
+                        f"(the app's migrations create {DEFAULT_TABLE} only)"
+                    ),
+                )
             if not self.create_table:
                 raise IdempotencyConnectionError(
                     None, f"table {self.table} does not exist and create_table=False"

@@ -257,6 +257,11 @@ class PostgresBackend(PsycopgTransactions):
 
     # -- publish side (ChecksPublishes) --------------------------------------------------------
 
+    def checks_publishes(self) -> bool:
+        """Whether this backend's SQL has the publish-side statement (a subclass on another
+        dialect without it, MySQL's, leaves every publish to the run-time guard)."""
+        return hasattr(self.sql, "publish")
+
     def check_publish(
         self, record: str, lock: str, task_id: str, fingerprint: str | None, publish_ttl: float
     ) -> PublishDecision:
@@ -319,6 +324,16 @@ class PostgresBackend(PsycopgTransactions):
         if decided == "running":
             return PublishDecision("publish", unchecked=True)
         return PublishDecision("publish") if written else None
+
+    def queued_marker(self, record: str) -> tuple[str, float] | None:
+        """``(task id, seconds left)`` of ``record``'s live queued marker, else ``None``."""
+        if not self.checks_publishes():
+            return None
+        rows = self.autocommit([(self.sql.queued, (self._row(record),))])[0]
+        if not rows:
+            return None
+        data, ttl = rows[0]
+        return bytes(data).decode("utf-8", "replace"), float(ttl)
 
     def drop_queued(self, record: str, task_id: str) -> bool:
         """Delete ``task_id``'s queued marker row of ``record``; ``False`` when the row holds

@@ -219,6 +219,10 @@ class Statements:
             "(SELECT set_config('lock_timeout', before, true) FROM cfg) "
             "FROM (SELECT 1) AS one LEFT JOIN seen AS s ON true"
         )
+        self.queued = (
+            f"SELECT result, extract(epoch FROM expires_at - statement_timestamp()) FROM {t} "
+            "WHERE key = %s AND state = 'queued' AND expires_at > statement_timestamp()"
+        )
         self.drop_queued = (
             f"DELETE FROM {t} WHERE key = %s AND state = 'queued' "
             "AND result = convert_to(%s, 'UTF8')"

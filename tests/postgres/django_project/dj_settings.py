@@ -1,4 +1,5 @@
-"""Settings of the minimal Django project of the PostgreSQL tests (database from the env)."""
+"""Settings of the minimal Django project of the PostgreSQL and MySQL tests (database from the
+env: ``DJ_DATABASE_URL``, ``postgresql://`` or ``mysql://``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,17 @@ DATABASES = {
         "PORT": str(_db.port or 5432),
     }
 }
+if _db.scheme == "mysql":  # tests/mysql runs the same project on MariaDB / MySQL
+    import pymysql
+
+    pymysql.install_as_MySQLdb()  # Django's MySQL engine on PyMySQL (no client headers)
+    DATABASES["default"].update(
+        ENGINE="django.db.backends.mysql",
+        NAME=_db.path.lstrip("/"),
+        USER=_db.username or "root",
+        PORT=str(_db.port or 3306),
+        OPTIONS={"charset": "utf8mb4"},
+    )
 # Celery reads its settings from here, through the CELERY_ namespace.
 CELERY_BROKER_URL = os.environ["DJ_BROKER_URL"]
 CELERY_RESULT_BACKEND = os.environ["DJ_BROKER_URL"]

@@ -46,6 +46,8 @@ def drop_table(apps: Any, schema_editor: Any) -> None:
     schema_editor.execute(f"DROP TABLE IF EXISTS {quote(DEFAULT_TABLE)}")
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(f"DROP SEQUENCE IF EXISTS {quote(DEFAULT_TABLE + '_fencing')}")
+    if schema_editor.connection.vendor == "mysql":  # its fencing counter is a table
+        schema_editor.execute(f"DROP TABLE IF EXISTS {quote(DEFAULT_TABLE + '_fencing')}")
 
 
 class Migration(migrations.Migration):

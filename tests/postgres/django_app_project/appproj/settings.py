@@ -54,6 +54,17 @@ DATABASES = {
         "PORT": str(_db.port or 5432),
     }
 }
+if _db.scheme == "mysql":  # tests/mysql runs the same project on MariaDB / MySQL
+    import pymysql
+
+    pymysql.install_as_MySQLdb()  # Django's MySQL engine on PyMySQL (no client headers)
+    DATABASES["default"].update(
+        ENGINE="django.db.backends.mysql",
+        NAME=_db.path.lstrip("/"),
+        USER=_db.username or "root",
+        PORT=str(_db.port or 3306),
+        OPTIONS={"charset": "utf8mb4"},
+    )
 CELERY_BROKER_URL = "memory://"
 CELERY_IDEMPOTENCY_URL = "django://default"
 CELERY_TASK_ACKS_LATE = True
