@@ -57,7 +57,7 @@ from celery_idempotent.core.protocols import (
     check_implements,
 )
 from celery_idempotent.core.two_step import TwoStepBackend, backend_call, release_quietly
-from celery_idempotent.core.validate import check_count, check_delay, check_duration
+from celery_idempotent.core.validate import check_count, check_delay, check_duration, check_ttl
 from celery_idempotent.keyspace import lock_name, record_name
 
 __all__ = [
@@ -76,7 +76,9 @@ log = logging.getLogger("celery_idempotent")
 class DistributedIdempotencyGuard:
     """Runs a function at most once per key, and replays its stored result to duplicates.
 
-    ``store`` keeps results for ``ttl`` seconds; ``lock_provider`` serializes callers of one
+    ``store`` keeps results for ``ttl`` seconds (``0``: nothing is kept; the commit only
+    proves the lease and releases it, so the key is free, and runs again, once a body
+    ends); ``lock_provider`` serializes callers of one
     key across threads, processes and machines, with leases of ``lock_ttl`` seconds that are
     renewed every ``renew_interval`` (a third of ``lock_ttl`` by default) while the body runs.
     A key that is held is tried ``1 + retry_count`` times, waiting
@@ -134,7 +136,7 @@ class DistributedIdempotencyGuard:
             )
         self.store = store
         self.lock_provider = lock_provider
-        self.ttl = check_duration("ttl", ttl)
+        self.ttl = check_ttl("ttl", ttl)
         self.lock_ttl = check_duration("lock_ttl", lock_ttl)
         self.retry_count = check_count("retry_count", retry_count)
         self.retry_base_delay = check_delay("retry_base_delay", retry_base_delay)

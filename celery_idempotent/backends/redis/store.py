@@ -9,8 +9,9 @@ is never deserialized.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from celery_idempotent import keyspace
@@ -29,13 +30,19 @@ from celery_idempotent.core.exceptions import (
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
 from celery_idempotent.core.validate import check_count, check_duration
 
-__all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
+__all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore", "claims_end_marker"]
 
 log = logging.getLogger("celery_idempotent")
 
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _seconds_left(pttl: Any) -> float | None:
+    """A PTTL reply as seconds (``None`` for a name without a TTL, or gone: -1, -2)."""
+    value = int(pttl)
+    return value / 1000 if value >= 0 else None
 
 
 class RedisIdempotencyStore:
@@ -272,13 +279,20 @@ class RedisIdempotencyStore:
         publish_ttl: float,
         *,
         push: tuple[str, bytes | str] | None = None,
+        until: str = "completed",
     ) -> PublishDecision:
         """Decide a publish in one round trip (the ``PUBLISH`` script): set the queued marker
         for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`).
 
         ``push``: ``(list name, message)`` of a broker on this Redis: when the decision is
-        "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``)."""
-        args: list[Any] = [task_id, fingerprint or "", redis_client.ms(publish_ttl)]
+        "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``).
+        ``until``: ``idempotency_publish_until`` (``"started"``: stopped only while queued)."""
+        args: list[Any] = [
+            task_id,
+            fingerprint or "",
+            redis_client.ms(publish_ttl),
+            "started" if until == "started" else "",
+        ]
         with redis_errors.translate_errors(record, "publish check"):
             if push is None:
                 reply = self.run_script(self._publish, [record, lock], args)
@@ -291,14 +305,26 @@ class RedisIdempotencyStore:
             return PublishDecision("publish")
         if status == 2:
             stored = self.decode(record, reply[1])
-            return PublishDecision("completed", stored.task_id, stored, stored.fingerprint)
+            return PublishDecision(
+                "completed",
+                stored.task_id,
+                stored,
+                stored.fingerprint,
+                state="completed",
+                ttl_left=_seconds_left(reply[2]),
+            )
         if status == 3:
             stored = self.decode_v1(record, reply[1:])
-            return PublishDecision("completed", None, stored, stored.fingerprint)
+            return PublishDecision("completed", None, stored, stored.fingerprint, state="completed")
         if status == 5:
             return PublishDecision("mismatch", _text(reply[1]), None, _text(reply[2]))
         if status == 6:
-            return PublishDecision("queued", _text(reply[1]))
+            return PublishDecision(
+                "queued",
+                _text(reply[1]),
+                state="running" if int(reply[2]) else "queued",
+                ttl_left=_seconds_left(reply[3]),
+            )
         return PublishDecision("publish", unchecked=True)
 
     def drop_queued(self, record: str, task_id: str) -> bool:
@@ -334,6 +360,24 @@ class RedisIdempotencyStore:
         return redis_client.why_not_same_server(self.client, lock_provider.client)
 
 
+#: The task id whose queued marker a claim in this context ends when it takes the lock
+#: (``idempotency_publish_until="started"``; see :func:`claims_end_marker`).
+_claim_ends: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "celery_idempotent_claim_ends", default=None
+)
+
+
+@contextlib.contextmanager
+def claims_end_marker(task_id: str | None) -> Iterator[None]:
+    """Within the block, a claim that takes the lock also deletes ``task_id``'s queued marker,
+    in the same script (the call has started: ``idempotency_publish_until="started"``)."""
+    token = _claim_ends.set(task_id)
+    try:
+        yield
+    finally:
+        _claim_ends.reset(token)
+
+
 class RedisAtomicBackend:
     """Claim (lock + look up) and commit (store + release) as one Lua script each."""
 
@@ -341,12 +385,16 @@ class RedisAtomicBackend:
         self.store = store
         self.locks = locks
         self._claim = store.client.register_script(redis_scripts.CLAIM)
+        self._end = store.client.register_script(redis_scripts.END)
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""
         token = redis_client.new_token(self.locks.owner_id)
         keys = [resource, key, keyspace.fence_name(resource)]
         args: list[Any] = [token, redis_client.ms(ttl)]
+        ends = _claim_ends.get()
+        if ends:
+            args.append(ends)
         acked: Any = None
         with redis_errors.translate_errors(key, "claim"):
             try:
@@ -381,14 +429,21 @@ class RedisAtomicBackend:
         return Claim(None, None)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""
-        value = self.store.encode(key, record)
+        """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip).
+        ``ttl == 0``: the ``END`` script (nothing stored, the delivery's queued marker ended)."""
         keys = [lease.resource, key, keyspace.fence_name(lease.resource)]
-        args: list[Any] = [lease.token, redis_client.ms(ttl), value, lease.fencing_token]
+        script = self.store._commit
+        args: list[Any]
+        if ttl:
+            value = self.store.encode(key, record)
+            args = [lease.token, redis_client.ms(ttl), value, lease.fencing_token]
+        else:
+            script = self._end
+            args = [lease.token, record.task_id or "", lease.fencing_token]
         with redis_errors.translate_errors(key, "commit"):
             if not self.store.wait_replicas:
-                return bool(self.store.run_script(self.store._commit, keys, args))
-            reply, acked = self.store.eval_and_wait(self.store._commit, keys, args)
+                return bool(self.store.run_script(script, keys, args))
+            reply, acked = self.store.eval_and_wait(script, keys, args)
         if reply:
             self.store.check_replicated(key, acked, "commit")
         return bool(reply)
