@@ -25,7 +25,9 @@ The fixtures:
 Deliveries go through the broker to a worker when the test uses Celery's ``celery_worker`` or
 ``celery_session_worker`` fixture (set :attr:`IdempotencyTester.through_worker` when you start
 an in-process worker yourself), else they are applied eagerly, with the arguments and the result
-passed through the app's serializers as a broker and a result backend would.
+passed through the app's serializers as a broker and a result backend would. A test on one of
+pytest-celery's setups (``celery_setup``: the worker in a container) stays eager here; what the
+container's worker did is read from :mod:`celery_idempotent.testing.ledger`.
 
 With pytest-django, ``while_running=True`` works under ``db`` (the two delivery threads use
 the test's own connection, so they see its rows) and under ``transactional_db`` (each thread
@@ -154,7 +156,10 @@ def idempotency(
         raise ValueError(
             f"idempotency_backend must be one of {', '.join(BACKENDS)}, got {idempotency_backend!r}"
         )
-    through_worker = any(
+    # Celery's worker fixtures run a worker in this process, which the helpers follow. With
+    # pytest-celery's plugin on, ``celery_worker`` is a container instead (its setups ask for
+    # it): the helpers cannot follow a body there, so they stay eager; see ``testing.ledger``.
+    through_worker = "celery_setup" not in request.fixturenames and any(
         name in request.fixturenames for name in ("celery_worker", "celery_session_worker")
     )
     tester = IdempotencyTester(url, through_worker=through_worker)
