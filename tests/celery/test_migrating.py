@@ -725,3 +725,34 @@ def test_a_periodic_task_with_ttl_zero_is_not_reported_as_collapsing() -> None:
         app.close()
     assert len(messages) == 1
     assert "beatcheck.kept" in messages[0]
+
+
+def test_ttl_zero_composes_with_store_errors_and_eager_calls() -> None:
+    """``idempotency_ttl=0`` with ``idempotency_store_errors``: a listed failure is raised to
+    its delivery and, like a result, not kept: the next call runs the body again (eager
+    ``apply()``, the same guard as a worker's)."""
+    app = Celery("ttl0compose", broker="memory://", set_as_current=False)
+    app.conf.idempotency_url = "memory://"
+    runs: list[int] = []
+
+    @app.task(
+        base=IdempotentTask,
+        shared=False,
+        name="ttl0compose.declined",
+        idempotency_ttl=0,
+        idempotency_store_errors=(LookupError,),
+    )
+    def declined(order: int) -> None:
+        runs.append(order)
+        raise LookupError(f"card of order {order} declined")
+
+    reset_backends()
+    try:
+        for _ in range(2):
+            with pytest.raises(LookupError, match="declined"):
+                declined.apply((7,)).get()
+        assert runs == [7, 7]
+        assert declined.idempotency_status((7,)).state == "absent"
+    finally:
+        reset_backends()
+        app.close()
