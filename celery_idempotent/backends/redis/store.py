@@ -17,6 +17,7 @@ from typing import Any
 from celery_idempotent import keyspace
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import errors as redis_errors
+from celery_idempotent.backends.redis import lean as redis_lean
 from celery_idempotent.backends.redis import publish_scripts as redis_publish_scripts
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.backends.redis.locks import RedisLockProvider
@@ -99,6 +100,17 @@ class RedisIdempotencyStore:
         self._publish = self.client.register_script(redis_publish_scripts.PUBLISH)
         self._publish_and_push = self.client.register_script(redis_publish_scripts.PUBLISH_AND_PUSH)
         self._drop_queued = self.client.register_script(redis_publish_scripts.DROP_QUEUED)
+        # The claim, commit and publish scripts' transport (see backends/redis/lean.py); None:
+        # through the client (Cluster, a blocking pool, an instrumented client ...).
+        self._lean = redis_lean.lean_for(self.client)
+
+    def run_script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """``script(keys=keys, args=args)`` (a script registered on this store's client), on
+        the lean path when the client can take it: the same reply, the same errors."""
+        lean = self._lean
+        if lean is None:
+            return script(keys=keys, args=args)
+        return lean(script, keys, args)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -283,9 +295,11 @@ class RedisIdempotencyStore:
         ]
         with redis_errors.translate_errors(record, "publish check"):
             if push is None:
-                reply = self._publish(keys=[record, lock], args=args)
+                reply = self.run_script(self._publish, [record, lock], args)
             else:
-                reply = self._publish_and_push(keys=[record, lock, push[0]], args=[*args, push[1]])
+                reply = self.run_script(
+                    self._publish_and_push, [record, lock, push[0]], [*args, push[1]]
+                )
         status = int(reply[0])
         if status == 1:
             return PublishDecision("publish")
@@ -317,7 +331,7 @@ class RedisIdempotencyStore:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
         (committed since, expired, or another call's)."""
         with redis_errors.translate_errors(record, "queued marker delete"):
-            return bool(self._drop_queued(keys=[record], args=[task_id]))
+            return bool(self.run_script(self._drop_queued, [record], [task_id]))
 
     # -- pairing ----------------------------------------------------------------------------
 
@@ -387,7 +401,7 @@ class RedisAtomicBackend:
                 if self.store.wait_replicas:
                     reply, acked = self.store.eval_and_wait(self._claim, keys, args)
                 else:
-                    reply = self._claim(keys=keys, args=args)
+                    reply = self.store.run_script(self._claim, keys, args)
             except UnicodeDecodeError as exc:  # only a found record carries a payload
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
@@ -428,7 +442,7 @@ class RedisAtomicBackend:
             args = [lease.token, record.task_id or "", lease.fencing_token]
         with redis_errors.translate_errors(key, "commit"):
             if not self.store.wait_replicas:
-                return bool(script(keys=keys, args=args))
+                return bool(self.store.run_script(script, keys, args))
             reply, acked = self.store.eval_and_wait(script, keys, args)
         if reply:
             self.store.check_replicated(key, acked, "commit")
