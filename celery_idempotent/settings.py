@@ -114,7 +114,8 @@ class IdempotencySettings:
     idempotency_store_errors: tuple[type[Exception], ...] = setting((), check_store_errors)
     #: seconds a committed result is kept. ``0``: nothing is kept once the body ends (never
     #: twice at the same time, again afterwards): a duplicate delivery that arrives after the
-    #: body ended, a broker redelivery included, runs the body again.
+    #: body ended, a broker redelivery included, runs the body again, and a failure listed in
+    #: ``idempotency_store_errors`` is raised to its delivery and not kept either.
     idempotency_ttl: float = setting(86_400, check_ttl)
     #: lease seconds; renewed every third of it while the body runs.
     idempotency_lock_ttl: float = setting(10, check_duration)

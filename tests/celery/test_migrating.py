@@ -545,12 +545,21 @@ def test_singleton_lock_expiry_as_one_call_per_time_frame(
     frame". Ours: ``idempotency_window`` (the frame), a grid of slots rounded to the nearest
     boundary rather than a frame that starts at the first call: within one slot one run,
     a publish a whole frame later runs again."""
-    t = tag()
-    first = mig.time_frame.delay(t)
+
+    def slot(when: float) -> int:
+        return int(when / mig.FRAME + 0.5)
+
+    while True:  # a publish whose slot is known: not one that straddled a boundary
+        t = tag()
+        published = time.time()
+        first = mig.time_frame.delay(t)
+        if slot(published) == slot(time.time()):
+            break
+        first.get(timeout=TIMEOUT)
     assert first.get(timeout=TIMEOUT) == 1
-    now = time.time()
-    slot_end = (int(now / mig.FRAME + 0.5) + 0.5) * mig.FRAME
-    if slot_end - now > 0.3:  # still inside the first's slot: replayed
+    # The end of the first call's slot (slots are rounded to the nearest boundary).
+    slot_end = (slot(published) + 0.5) * mig.FRAME
+    if slot_end - time.time() > 0.3:  # still inside the first's slot: replayed
         assert mig.time_frame.delay(t).get(timeout=TIMEOUT) == 1
     time.sleep(max(0.0, slot_end - time.time()) + 0.1)
     assert mig.time_frame.delay(t).get(timeout=TIMEOUT) == 2
@@ -725,3 +734,34 @@ def test_a_periodic_task_with_ttl_zero_is_not_reported_as_collapsing() -> None:
         app.close()
     assert len(messages) == 1
     assert "beatcheck.kept" in messages[0]
+
+
+def test_ttl_zero_composes_with_store_errors_and_eager_calls() -> None:
+    """``idempotency_ttl=0`` with ``idempotency_store_errors``: a listed failure is raised to
+    its delivery and, like a result, not kept: the next call runs the body again (eager
+    ``apply()``, the same guard as a worker's)."""
+    app = Celery("ttl0compose", broker="memory://", set_as_current=False)
+    app.conf.idempotency_url = "memory://"
+    runs: list[int] = []
+
+    @app.task(
+        base=IdempotentTask,
+        shared=False,
+        name="ttl0compose.declined",
+        idempotency_ttl=0,
+        idempotency_store_errors=(LookupError,),
+    )
+    def declined(order: int) -> None:
+        runs.append(order)
+        raise LookupError(f"card of order {order} declined")
+
+    reset_backends()
+    try:
+        for _ in range(2):
+            with pytest.raises(LookupError, match="declined"):
+                declined.apply((7,)).get()
+        assert runs == [7, 7]
+        assert declined.idempotency_status((7,)).state == "absent"
+    finally:
+        reset_backends()
+        app.close()
