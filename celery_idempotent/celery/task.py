@@ -12,6 +12,7 @@ This module is the Celery adapter only; the work is done by:
 - ``publish.py``: duplicates stopped at ``apply_async``;
 - ``delivery.py``: one delivery run through the guard, its outcome handed back to Celery;
 - ``requeue.py``: ``idempotency_on_locked`` and the re-queue of a duplicate;
+- ``request.py``: the worker's ``Request``: a rejected duplicate records nothing;
 - ``results.py``: the result serializer and the stored-failure envelope;
 - ``worker_start.py``: the checks a worker runs when it starts (connected on import of this
   module).
