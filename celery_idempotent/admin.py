@@ -469,7 +469,7 @@ def _forget_redis(
 def _forget_sql(
     app: Any, cfg: Any, base: NamespaceForgotten, *, dry_run: bool
 ) -> NamespaceForgotten:
-    from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415
+    from celery_idempotent.backends import sql_backend_from_url  # noqa: PLC0415
 
     url: str = cfg.backend_url
     if url.startswith("django://"):
@@ -478,7 +478,7 @@ def _forget_sql(
         django.setup()
     conf = app.conf
     accept = list(conf.get("result_accept_content") or conf.get("accept_content") or ["json"])
-    backend: Any = backend_from_url(url, accept=accept)
+    backend: Any = sql_backend_from_url(url, accept=accept)
     sql_admin: Any
     if getattr(backend, "dialect", "postgresql") == "mysql":  # MySQL / MariaDB
         from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415

@@ -32,7 +32,7 @@ from celery_idempotent.cli.scan import (
     tagged_task,
 )
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.keyspace import HEAD_CHARS, MAX_READABLE_KEY
+from celery_idempotent.core.names import HEAD_CHARS, MAX_READABLE_KEY
 
 __all__ = ["forget"]
 

@@ -8,8 +8,8 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent import keyspace
 from celery_idempotent.admin import KeyInfo, format_duration, read_key
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.cli.common import (
     Target,
     connect,

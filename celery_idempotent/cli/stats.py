@@ -7,7 +7,7 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import connect, emit_json, print_table, progress, redis_errors
 from celery_idempotent.cli.options import any_task_option, batch_size_option, common_options

@@ -1,4 +1,5 @@
-"""The keyspace module: task keys, Redis names and the v2 record format round-trip."""
+"""The keyspaces: task keys (every backend's), the names every backend stores a key under, and
+what Redis adds (fence names, lock values, the v2 record format) round-trip."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_idempotent import keyspace
-from celery_idempotent.keyspace import (
+from celery_idempotent.backends.redis import keyspace
+from celery_idempotent.backends.redis.keyspace import (
     decode_record,
     encode_record,
     fence_name,
@@ -15,10 +16,10 @@ from celery_idempotent.keyspace import (
     lock_value,
     parse_lock_value,
     parse_name,
-    parse_task_key,
     record_name,
-    task_key,
 )
+from celery_idempotent.core import names
+from celery_idempotent.keyspace import parse_task_key, task_key
 
 
 def test_task_keys_round_trip_and_the_earliest_marker_wins() -> None:
@@ -42,6 +43,13 @@ def test_names_of_a_key_share_a_hash_tag_and_parse_back() -> None:
     assert parse_name(record, "p:") == ("record", "t:key:k")
     assert parse_name(fence_name(lock), "p:") == ("fence", "t:key:k")
     assert parse_name("other:{x}", "p:") is None
+    assert parse_name("p:lock:{}:fence", "p:") is None
+    assert parse_name("p:lock:{a{b}:fence", "p:") is None
+    # The names every backend shares parse alike without Redis; a fence name is Redis's own.
+    assert names.parse_name(lock, "p:") == ("lock", "t:key:k")
+    assert names.parse_name(record, "p:") == ("record", "t:key:k")
+    assert names.parse_name(fence_name(lock), "p:") is None
+    assert (keyspace.lock_name, keyspace.record_name) == (names.lock_name, names.record_name)
 
 
 def test_lock_values_carry_the_fencing_token_and_the_owner() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from celery_idempotent import keyspace
 from celery_idempotent.backends.mysql.backend import MySQLBackend
 from celery_idempotent.backends.mysql.sql import LOCK_ERRORS, error_code, quote_table
+from celery_idempotent.core import names
 
 __all__ = ["describe", "forget_one", "forget_task", "row_state", "stats"]
 
@@ -48,7 +49,7 @@ def describe(
     """One key's row as a JSON-ready document: ``state`` (``completed``, ``in_progress``: a
     transaction holds the row, or ``absent``), ``record`` (its columns, age and ttl) and, with
     ``show_result``, the decoded ``result`` or why it could not be (``result_error``)."""
-    row = keyspace.record_name(prefix, nkey)
+    row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
     record = None
     if found is not None and found[0] == "completed" and float(found[7]) > 0:
@@ -103,7 +104,7 @@ def describe(
 
 def forget_one(backend: MySQLBackend, prefix: str, nkey: str, *, dry_run: bool) -> dict[str, Any]:
     """Delete one key's row unless a running body holds it."""
-    row = keyspace.record_name(prefix, nkey)
+    row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
     doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
     doc["state"] = "in_progress" if held else "absent" if found is None else str(found[0])
@@ -190,7 +191,7 @@ def stats(backend: MySQLBackend, prefix: str, namespace: str | None) -> dict[str
     per_task: dict[str, dict[str, int]] = {}
     other = expired = 0
     for key, completed in rows[0]:
-        parsed = keyspace.parse_name(key, prefix)
+        parsed = names.parse_name(key, prefix)
         task = keyspace.task_of_slot(parsed[1]) if parsed is not None else None
         if task is None:
             other += 1

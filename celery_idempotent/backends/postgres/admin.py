@@ -25,6 +25,7 @@ from typing import Any
 from celery_idempotent import keyspace
 from celery_idempotent.backends.postgres.backend import PostgresBackend
 from celery_idempotent.backends.postgres.sql import quote_table
+from celery_idempotent.core import names
 
 __all__ = ["describe", "forget_one", "forget_task", "row_state", "stats"]
 
@@ -47,7 +48,7 @@ def describe(
     """One key's row as a JSON-ready document: ``state`` (``completed``, ``in_progress``: a
     transaction holds the row, or ``absent``), ``record`` (its columns, age and ttl) and, with
     ``show_result``, the decoded ``result`` or why it could not be (``result_error``)."""
-    row = keyspace.record_name(prefix, nkey)
+    row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
     record = None
     if found is not None and found[0] == "completed" and float(found[7]) > 0:
@@ -108,7 +109,7 @@ def forget_one(
     backend: PostgresBackend, prefix: str, nkey: str, *, dry_run: bool
 ) -> dict[str, Any]:
     """Delete one key's row unless a running body holds it."""
-    row = keyspace.record_name(prefix, nkey)
+    row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
     doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
     doc["state"] = "in_progress" if held else "absent" if found is None else str(found[0])
@@ -187,7 +188,7 @@ def stats(backend: PostgresBackend, prefix: str, namespace: str | None) -> dict[
     per_task: dict[str, dict[str, int]] = {}
     other = expired = 0
     for key, completed in rows[0]:
-        parsed = keyspace.parse_name(key, prefix)
+        parsed = names.parse_name(key, prefix)
         task = keyspace.task_of_slot(parsed[1]) if parsed is not None else None
         if task is None:
             other += 1

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery_idempotent import keyspace
+from celery_idempotent import keyspace as task_keys
 from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis import keyspace
+from celery_idempotent.backends.redis.keyspace import fence_name, lock_name, record_name
 from celery_idempotent.core.codec import serializer_info
-from celery_idempotent.keyspace import fence_name, lock_name, record_name
 
 if TYPE_CHECKING:
     import redis
@@ -130,7 +131,7 @@ class KeyInfo:
             }
         return {
             "key": self.key,
-            "task": keyspace.task_of_slot(self.key),
+            "task": task_keys.task_of_slot(self.key),
             "state": self.state,
             "record": record,
             "lock": {
