@@ -19,6 +19,7 @@ import click
 from celery_idempotent.backends import sql_backend_from_url
 from celery_idempotent.backends.postgres import DEFAULT_TABLE, PostgresBackend, ddl
 from celery_idempotent.backends.postgres.connections import split_url
+from celery_idempotent.core.states import IN_PROGRESS
 
 __all__ = ["admin_of", "backend_for", "inspect", "sql_command"]
 
@@ -98,7 +99,7 @@ def inspect(
 
         states = {
             "completed": "completed",
-            "in_progress": "in progress (a transaction holds the row)",
+            IN_PROGRESS: "in progress (a transaction holds the row)",
             "queued": "queued (published, no delivery has committed it)",
             "absent": "absent",
         }

@@ -38,7 +38,7 @@ from celery_idempotent.core.exceptions import (
     LockLostError,
 )
 from celery_idempotent.core.fingerprint import KeyLabel, fingerprint_payload, key_digest
-from celery_idempotent.core.names import lock_name, record_name
+from celery_idempotent.core.names import DEFAULT_PREFIX, lock_name, record_name
 from celery_idempotent.core.outcome import (
     ABSENT,
     GuardEvent,
@@ -106,7 +106,7 @@ class DistributedIdempotencyGuard:
         retry_max_delay: Any = None,
         renew_interval: Any = None,
         fingerprint_fn: Callable[[Any], str] = fingerprint_payload,
-        key_prefix: str = "idempotency:",
+        key_prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
         sleep: Sleep = event_sleep,
         random: Callable[[], float] = _random.random,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 
 __all__ = [
+    "DEFAULT_PREFIX",
     "HEAD_CHARS",
     "LOCK_MARK",
     "MAX_READABLE_KEY",
@@ -24,6 +25,8 @@ __all__ = [
     "slot_key",
 ]
 
+#: What every name starts with unless ``idempotency_key_prefix`` says otherwise.
+DEFAULT_PREFIX = "idempotency:"
 #: Keys longer than this are shortened in names: a readable head plus a digest.
 MAX_READABLE_KEY = 200
 #: How many characters of a shortened key stay readable.

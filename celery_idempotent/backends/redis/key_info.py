@@ -15,6 +15,7 @@ from celery_idempotent.backends.redis import admin_scripts as redis_admin_script
 from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.keyspace import fence_name, lock_name, record_name
 from celery_idempotent.core.codec import serializer_info
+from celery_idempotent.core.states import IN_PROGRESS, KeyState
 
 if TYPE_CHECKING:
     import redis
@@ -97,12 +98,12 @@ class KeyInfo:
         """``"completed"``, ``"in_progress"``, ``"queued"`` (published, its body not started)
         or ``"absent"``."""
         if self.record is not None:
-            return "completed"
+            return KeyState.COMPLETED
         if self.lock_token is not None:
-            return "in_progress"
+            return IN_PROGRESS
         if self.queued_task_id is not None:
-            return "queued"
-        return "absent"
+            return KeyState.QUEUED
+        return KeyState.ABSENT
 
     @property
     def holder(self) -> str | None:

@@ -12,6 +12,7 @@ from celery_idempotent.backends.redis import native as native_redis
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.core import green
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
+from celery_idempotent.core.names import DEFAULT_PREFIX
 from celery_idempotent.core.protocols import Lease
 from celery_idempotent.core.validate import check_count, check_duration
 
@@ -50,7 +51,7 @@ class RedisLockProvider:
         url: str | None = None,
         owner_id: str | None = None,
         fence_ttl: Any = 7 * 86_400,
-        key_prefix: str = "idempotency:",
+        key_prefix: str = DEFAULT_PREFIX,
         wait_replicas: int = 0,
         wait_timeout: Any = 1.0,
     ) -> None:
