@@ -12,8 +12,11 @@ from celery_idempotent.backends.redis.keyspace import (
     decode_record,
     encode_record,
     fence_name,
+    lock_entry,
     lock_name,
     lock_value,
+    parse_lease_token,
+    parse_lock,
     parse_lock_value,
     parse_name,
     record_name,
@@ -57,6 +60,18 @@ def test_lock_values_carry_the_fencing_token_and_the_owner() -> None:
     assert value == "17/abc@host:1:ff"
     assert parse_lock_value(value) == (17, "host:1:ff")
     assert parse_lock_value("abc@host:1:ff") == (None, "host:1:ff")  # a 0.1.0 lock
+    assert parse_lease_token(value) == (17, "host:1:ff")
+    entry = lock_entry(1_796_000_000_000, value)
+    assert parse_lock_value(entry) == (17, "host:1:ff")
+    assert parse_lock(entry) == (1_796_000_000_000, 17, value, "host:1:ff")
+    assert parse_lock(entry).held(1_795_999_999_999)
+    assert not parse_lock(entry).held(1_796_000_000_000)  # past its deadline: a tombstone
+    old = parse_lock("abc@host:1:ff")  # 0.1.0's lock: no deadline, held while it exists
+    assert (old.deadline_ms, old.fencing_token, old.owner) == (None, None, "host:1:ff")
+    assert old.held(1e15)
+    # "<fencing token>/<token>" is a lease's token; no release stored it as a lock's value.
+    with pytest.raises(ValueError, match="not a lock value"):
+        parse_lock(value)
 
 
 @given(

@@ -110,7 +110,7 @@ class KeyInfo:
         """The owner id of the lock's holder (the token after ``@``), or ``None``."""
         if self.lock_token is None:
             return None
-        return keyspace.parse_lock_value(self.lock_token)[1]
+        return keyspace.parse_lease_token(self.lock_token)[1]
 
     def age(self, now: float) -> float | None:
         """Seconds since the record was committed, by the committing worker's clock."""
@@ -218,7 +218,7 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     if queued is not None and queued.state == keyspace.MARKER_CLAIMED and lock_token is None:
         # Claimed, and the lock holds no valid lease: the delivery ended without a commit.
         dead, queued = queued.task_id, None
-    lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
+    lease_fence = keyspace.parse_lease_token(lock_token)[0] if lock_token else None
     fence_key = _int(fence)
     known = [
         f

@@ -58,8 +58,8 @@ The fence key is written, as before, while the server clock is behind a token it
 or sees released (a step back since the claim); the lock's tombstone covers that case too,
 the fence key also covers a lock deleted by hand. A claim reads it on every first execution
 (part of the one ``MGET``), so a v1 fence key left by 0.1.0 keeps tokens increasing across the
-upgrade too. A lock without a deadline (0.1.0's ``<random>@<owner id>``, or a lock written
-before the tombstones, ``<fencing token>/<token>``) is held while its key exists.
+upgrade too. A lock without a deadline (0.1.0's ``<random>@<owner id>``, the only one a release
+wrote) is held while its key exists.
 
 What this does not cover: a failover to a replica whose clock is behind the old master's and
 that did not receive the keys (the same as for any write the replica did not receive);
@@ -141,6 +141,7 @@ __all__ = [
     "lock_name",
     "lock_value",
     "lua_list",
+    "parse_lease_token",
     "parse_lock",
     "parse_lock_value",
     "parse_marker",
@@ -199,9 +200,8 @@ def lock_entry(deadline_ms: int, lease_token: str) -> str:
 
 
 class LockState(NamedTuple):
-    """A lock's value, parsed. ``deadline_ms`` is ``None`` for a lock without one (0.1.0's
-    ``<token>``, or ``<fencing token>/<token>`` written before issue 13's fix): such a lock is
-    held while its key exists."""
+    """A lock's value, parsed. ``deadline_ms`` is ``None`` only for 0.1.0's ``<token>``, the one
+    lock value without a deadline a release wrote: such a lock is held while its key exists."""
 
     deadline_ms: int | None
     fencing_token: int | None
@@ -213,29 +213,45 @@ class LockState(NamedTuple):
         return self.deadline_ms is None or self.deadline_ms > now_ms
 
 
-def parse_lock(value: str) -> LockState:
-    """The fields of a lock's value, in any of its three spellings (see :class:`LockState`)."""
-    deadline: int | None = None
-    fence: int | None = None
-    lease = value
-    head, sep, rest = value.partition(LOCK_SEP)
+def _owner(token: str) -> str:
+    return token.split("@", 1)[1] if "@" in token else token
+
+
+def parse_lease_token(token: str) -> tuple[int | None, str]:
+    """``(fencing token, owner id)`` of a lease's token: ``<fencing token>/<random>@<owner>``
+    (what :class:`Lease` carries and ``READ_KEY`` reports), or 0.1.0's ``<random>@<owner>``,
+    which has no fencing token."""
+    head, sep, rest = token.partition(LOCK_SEP)
     if sep and head.isdigit():
-        second, sep2, tail = rest.partition(LOCK_SEP)
-        if sep2 and second.isdigit():
-            deadline, fence = int(head), int(second)
-            lease = rest
-            rest = tail
-        else:
-            fence = int(head)
-        token = rest
-    else:
-        token = value
-    owner = token.split("@", 1)[1] if "@" in token else token
-    return LockState(deadline, fence, lease, owner)
+        return int(head), _owner(rest)
+    return None, _owner(token)
+
+
+def parse_lock(value: str) -> LockState:
+    """The fields of a lock's value: ``<deadline ms>/<fencing token>/<token>`` (see
+    :func:`lock_entry`), or 0.1.0's ``<token>``.
+
+    Raises ``ValueError`` for a value that starts like the first and is not (no release wrote
+    ``<fencing token>/<token>`` into a lock: that is a lease's token, :func:`parse_lease_token`).
+    """
+    head, sep, rest = value.partition(LOCK_SEP)
+    if not (sep and head.isdigit()):
+        return LockState(None, None, value, _owner(value))  # 0.1.0
+    fence, sep2, token = rest.partition(LOCK_SEP)
+    if not (sep2 and fence.isdigit()):
+        raise ValueError(
+            f"not a lock value: {value!r} (expected <deadline ms>{LOCK_SEP}<fencing token>"
+            f"{LOCK_SEP}<token>, or 0.1.0's <token>)"
+        )
+    return LockState(int(head), int(fence), rest, _owner(token))
 
 
 def parse_lock_value(value: str) -> tuple[int | None, str]:
-    """``(fencing token, owner id)`` of a lock's value (or of a lease token); a v1 lock has no
-    fencing token."""
-    state = parse_lock(value)
-    return state.fencing_token, state.owner
+    """``(fencing token, owner id)`` of a lock's value or of a lease's token (three fields
+    are a lock's value, see :func:`parse_lock`; otherwise :func:`parse_lease_token`)."""
+    head, sep, rest = value.partition(LOCK_SEP)
+    fence, sep2, _ = rest.partition(LOCK_SEP)
+    if sep and head.isdigit() and sep2 and fence.isdigit():
+        state = parse_lock(value)
+        return state.fencing_token, state.owner
+    return parse_lease_token(value)

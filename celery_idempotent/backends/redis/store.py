@@ -46,7 +46,7 @@ def _seconds_left(pttl: Any) -> float | None:
 
 
 class RedisIdempotencyStore:
-    """Committed results in Redis, each a hash with a server-side TTL.
+    """Committed results in Redis, each one string (layout v2) with a server-side TTL.
 
     Pass a ready ``client`` or a ``url``. ``serializer`` is a kombu serializer name (``"json"``,
     ``"msgpack"``, ``"yaml"``, ``"pickle"``) used to store results; ``accept`` lists the
