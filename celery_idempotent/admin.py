@@ -68,8 +68,8 @@ STATES = tuple(state.value for state in KeyState)
 class IdempotencyStatus:
     """What the store holds for one idempotency key, read in one round trip.
 
-    ``state`` is a :class:`~celery_idempotent.KeyState` (a ``str``), one of :data:`STATES`. ``task_id`` is the task id of the delivery that
-    committed (or queued) the key, where the store keeps it (``None`` otherwise). ``age`` is
+    ``state`` is a :class:`~celery_idempotent.KeyState` (a ``str``), one of :data:`STATES`.
+    ``task_id`` is the task id of the delivery that committed (or queued) the key, where the store keeps it (``None`` otherwise). ``age`` is
     seconds since the commit, by the committing worker's clock; ``ttl`` the seconds left of
     the record (completed), of the lease (running) or of the marker (queued). ``fencing_token``
     is the record's, or the running lease's; ``fingerprint`` the one stored with the result
