@@ -70,10 +70,11 @@ class IdempotencyStatus:
 
     ``state`` is a :class:`~celery_idempotent.KeyState` (a ``str``), one of :data:`STATES`.
     ``task_id`` is the task id of the delivery that committed (or queued) the key, where the
-    store keeps it (``None`` otherwise). ``age`` is seconds since the commit, by the committing worker's clock; ``ttl`` the seconds left of
-    the record (completed), of the lease (running) or of the marker (queued). ``fencing_token``
-    is the record's, or the running lease's; ``fingerprint`` the one stored with the result
-    (``None``: stored without one). ``holder`` is the owner id of a running lease.
+    store keeps it (``None`` otherwise). ``age`` is seconds since the commit, by the committing
+    worker's clock; ``ttl`` the seconds left of the record (completed), of the lease (running)
+    or of the marker (queued). ``fencing_token`` is the record's, or the running lease's;
+    ``fingerprint`` the one stored with the result (``None``: stored without one). ``holder`` is
+    the owner id of a running lease.
 
     For a queued key, ``age`` is seconds since the call was published (by the server's clock,
     where the marker says) and ``claimed`` whether a delivery ever claimed it (``False``: no
