@@ -63,15 +63,34 @@ def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
     assert pg_backend.drop_queued(REC, "t-1") is False  # a record now: not a marker
 
 
-def test_a_failed_body_leaves_the_marker_until_the_worker_drops_it(pg_backend: Any) -> None:
+def test_a_body_that_ends_without_committing_frees_its_key(pg_backend: Any) -> None:
+    # SPEC §8: a body that raises, Ignore, a killed child: the claim marked the marker
+    # "claimed" (committed at once), the transaction is gone, the key is free.
     assert check(pg_backend, "t-1").action == "publish"
     claim = pg_backend.claim(LOCK, REC, 30)
     assert claim.lease is not None
-    pg_backend.release(claim.lease)  # the body raised: rolled back, the marker is back
-    assert check(pg_backend, "t-2").action == "queued"
+    assert pg_backend.drop_queued(REC, "t-1") is False  # held now: left alone, no wait
+    pg_backend.release(claim.lease)  # rolled back, as when the worker is killed
+    after = check(pg_backend, "t-2")
+    assert (after.action, after.unchecked) == ("publish", False)
+    assert check(pg_backend, "t-3").task_id == "t-2"
     assert pg_backend.drop_queued(REC, "t-other") is False  # only its own marker
-    assert pg_backend.drop_queued(REC, "t-1") is True
-    assert check(pg_backend, "t-2").action == "publish"  # free at once
+    assert pg_backend.drop_queued(REC, "t-2") is True
+    assert check(pg_backend, "t-4").action == "publish"
+
+
+def test_a_requeued_delivery_queues_its_marker_again(pg_backend: Any) -> None:
+    # A published retry or Reject(requeue=True): the marker names the call again, for
+    # publish_ttl, once the delivery's transaction has ended.
+    assert check(pg_backend, "t-1").action == "publish"
+    claim = pg_backend.claim(LOCK, REC, 30)
+    assert claim.lease is not None
+    assert pg_backend.requeue_marker(REC, "t-1", 60) is True  # deferred: our own row
+    pg_backend.release(claim.lease)
+    again = check(pg_backend, "t-2")
+    assert (again.action, again.task_id) == ("queued", "t-1")
+    # A marker that is not claimed is not touched.
+    assert pg_backend.requeue_marker(REC, "t-1", 60) is False
 
 
 def test_a_lost_message_blocks_the_key_for_publish_ttl_only(pg_backend: Any) -> None:
