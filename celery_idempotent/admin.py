@@ -22,11 +22,16 @@ filled it (layout v2 has the field; ``None`` otherwise).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis import client as redis_client
+from celery_idempotent.backends.redis import scan as redis_scan
 from celery_idempotent.backends.redis.key_info import KeyInfo, read_key
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 
@@ -38,13 +43,17 @@ if TYPE_CHECKING:
 __all__ = [
     "STATES",
     "Forgotten",
+    "ForgottenAll",
     "IdempotencyStatus",
     "KeyInfo",
+    "NamespaceForgotten",
+    "forget_all",
     "forget_from_guard",
     "forget_key",
     "forget_plan",
     "format_duration",
     "held_lock_reason",
+    "idempotent_tasks",
     "read_key",
     "status_from_guard",
     "status_of",
@@ -253,3 +262,224 @@ def forget_from_guard(guard: DistributedIdempotencyGuard, key: str, *, force: bo
         return Forgotten(key=key, state=status.state)
     guard.store.delete(name)
     return Forgotten(key=key, state="completed", deleted=(name,))
+
+
+# --------------------------------------------------------------------------- every task
+
+
+@dataclass(frozen=True)
+class NamespaceForgotten:
+    """One key namespace of :func:`forget_all`: the tasks that share it, where its keys live
+    (``where``: the URL without its password, or the client), and what was deleted (or, in a
+    dry run, would be). ``records`` counts records and queued markers; ``locks`` the held
+    locks deleted (with ``force``), ``kept_locks`` those kept (bodies running now; rows held by
+    running bodies on PostgreSQL); ``unattributed`` shortened Redis names that may be the
+    namespace's but cannot be told apart (left alone). ``skipped`` says why nothing was
+    looked at (``memory://``: the keys live inside each worker process)."""
+
+    namespace: str
+    tasks: tuple[str, ...]
+    where: str
+    prefix: str
+    records: int = 0
+    locks: int = 0
+    kept_locks: int = 0
+    fences: int = 0
+    unattributed: int = 0
+    sample: tuple[str, ...] = ()
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class ForgottenAll:
+    """What :func:`forget_all` did (``dry_run``: would do), one entry per key namespace."""
+
+    dry_run: bool
+    namespaces: tuple[NamespaceForgotten, ...]
+
+    @property
+    def records(self) -> int:
+        return sum(n.records for n in self.namespaces)
+
+    @property
+    def locks(self) -> int:
+        return sum(n.locks for n in self.namespaces)
+
+    @property
+    def kept_locks(self) -> int:
+        return sum(n.kept_locks for n in self.namespaces)
+
+
+def idempotent_tasks(app: Any) -> list[Any]:
+    """Every registered task of ``app`` that is an ``IdempotentTask`` (the app's task modules
+    imported first), sorted by name."""
+    app.loader.import_default_modules()
+    found = [
+        task
+        for name, task in app.tasks.items()
+        if not name.startswith("celery.") and callable(getattr(task, "idempotency_settings", None))
+    ]
+    return sorted(found, key=lambda task: str(task.name))
+
+
+def forget_all(
+    app: Any,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    include_fences: bool = False,
+    batch_size: int = 1000,
+    url: str | None = None,
+    prefix: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ForgottenAll:
+    """Forget every key of every idempotent task of ``app``: records and queued markers, held
+    locks only with ``force``, fence keys only with ``include_fences``; with ``dry_run``,
+    count what would go and delete nothing. celery-singleton's ``clear_locks(app)``, and the
+    CLI's ``celery -A proj idempotency forget --all``.
+
+    Each task's keys are looked up where its own settings put them (its ``idempotency_url``
+    or ``idempotency_client``, ``idempotency_key_prefix`` and ``idempotency_namespace``);
+    ``url`` and ``prefix`` override those for every task. Tasks sharing a namespace on one
+    backend are walked once. Every walk is ``SCAN`` in batches of ``batch_size`` (Redis) or
+    one ``DELETE ... SKIP LOCKED`` (PostgreSQL: rows a running body holds are kept, as
+    ``forget --task`` keeps them). ``memory://`` tasks are reported as skipped. A task whose
+    settings do not resolve raises the ``ValueError`` or ``TypeError`` that says why.
+    """
+    from celery_idempotent.settings import make_client_from, resolve  # noqa: PLC0415
+    from celery_idempotent.urls import redact  # noqa: PLC0415
+
+    groups: dict[tuple[str, str, str], list[Any]] = {}
+    settings: dict[tuple[str, str, str], Any] = {}
+    for task in idempotent_tasks(app):
+        cfg = resolve(app, task)
+        if url is not None:
+            cfg = dataclasses.replace(cfg, idempotency_url=url, idempotency_client=None)
+        if prefix is not None:
+            cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
+        if cfg.idempotency_client is not None:
+            where = f"client {cfg.idempotency_client!r}"
+        else:
+            where = redact(cfg.backend_url)
+        namespace = cfg.idempotency_namespace or str(task.name)
+        group = (where, cfg.idempotency_key_prefix, namespace)
+        groups.setdefault(group, []).append(task)
+        settings.setdefault(group, cfg)
+    clients: dict[str, Any] = {}
+    owned: list[Any] = []  # clients made here from a URL (a configured client is the user's)
+    done: list[NamespaceForgotten] = []
+    try:
+        for group, tasks in groups.items():
+            where, key_prefix, namespace = group
+            cfg = settings[group]
+            names = tuple(str(task.name) for task in tasks)
+            base = NamespaceForgotten(namespace, names, where, key_prefix)
+            if cfg.in_memory:
+                done.append(
+                    dataclasses.replace(
+                        base, skipped="memory://: the keys live inside each worker process"
+                    )
+                )
+                continue
+            if cfg.in_postgres:
+                done.append(_forget_sql(app, cfg, base, dry_run=dry_run))
+                continue
+            client = clients.get(where)
+            if client is None:
+                if cfg.idempotency_client is not None:
+                    client = make_client_from(cfg.idempotency_client, task_name=names[0])
+                else:
+                    client = redis_client.make_client(None, cfg.backend_url, "idempotency_url")
+                    owned.append(client)
+                clients[where] = client
+            done.append(
+                _forget_redis(
+                    _Space(client, key_prefix),
+                    base,
+                    force=force,
+                    dry_run=dry_run,
+                    include_fences=include_fences,
+                    batch_size=batch_size,
+                    progress=progress,
+                )
+            )
+    finally:
+        for each in owned:
+            with contextlib.suppress(Exception):
+                each.close()
+    return ForgottenAll(dry_run, tuple(done))
+
+
+@dataclass(frozen=True)
+class _Space:
+    client: Any
+    prefix: str
+
+
+def _forget_redis(
+    space: _Space,
+    base: NamespaceForgotten,
+    *,
+    force: bool,
+    dry_run: bool,
+    include_fences: bool,
+    batch_size: int,
+    progress: Callable[[str], None] | None,
+) -> NamespaceForgotten:
+    if dry_run:
+        found = redis_scan.count_task(
+            space, base.namespace, batch_size, force, include_fences, progress=progress
+        )
+        return dataclasses.replace(
+            base,
+            records=found.records,
+            locks=found.locks if force else 0,
+            kept_locks=0 if force else found.locks,
+            fences=found.fences,
+            unattributed=found.unattributed,
+            sample=tuple(found.sample),
+        )
+    # Without force, a held lock is counted (reported as kept), not deleted.
+    kept = 0 if force else redis_scan.count_task(space, base.namespace, batch_size, True).locks
+    gone = redis_scan.delete_task(
+        space, base.namespace, batch_size, force, include_fences, progress=progress
+    )
+    return dataclasses.replace(
+        base,
+        records=gone.records,
+        locks=gone.locks,
+        kept_locks=kept,
+        fences=gone.fences,
+        unattributed=gone.unattributed,
+    )
+
+
+def _forget_sql(
+    app: Any, cfg: Any, base: NamespaceForgotten, *, dry_run: bool
+) -> NamespaceForgotten:
+    from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415
+
+    url: str = cfg.backend_url
+    if url.startswith("django://"):
+        import django  # noqa: PLC0415
+
+        django.setup()
+    conf = app.conf
+    accept = list(conf.get("result_accept_content") or conf.get("accept_content") or ["json"])
+    backend: Any = backend_from_url(url, accept=accept)
+    sql_admin: Any
+    if getattr(backend, "dialect", "postgresql") == "mysql":  # MySQL / MariaDB
+        from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415
+
+        sql_admin = mysql_admin
+    else:
+        from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
+
+        sql_admin = pg_admin
+    try:
+        doc = sql_admin.forget_task(backend, base.prefix, base.namespace, dry_run=dry_run)
+    finally:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+    return dataclasses.replace(base, records=int(doc["records"]), kept_locks=int(doc["held"]))

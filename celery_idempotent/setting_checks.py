@@ -17,6 +17,7 @@ __all__ = [
     "MYSQL_SCHEMES",
     "ON_LOCKED_POLICIES",
     "POSTGRES_SCHEMES",
+    "PUBLISH_UNTIL",
     "REDIS_SCHEMES",
     "Check",
     "check_bool",
@@ -37,6 +38,8 @@ Check = Callable[[str, Any], Any]
 
 ON_LOCKED_POLICIES = ("retry", "raise", "ignore", "reject")
 DUPLICATE_PUBLISH_POLICIES = ("existing", "raise", "publish")
+#: ``idempotency_publish_until``: how long a call stops a duplicate publish.
+PUBLISH_UNTIL = ("completed", "started")
 MISSING_KEY_POLICIES = ("raise", "run")
 #: What follows the namespace in a task key (``<namespace>:args:<sha256>``); a namespace may not
 #: contain one, or the admin command could not tell where it ends.

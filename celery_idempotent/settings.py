@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_idempotent.core.validate import check_count, check_delay, check_duration
+from celery_idempotent.core.validate import check_count, check_delay, check_duration, check_ttl
 from celery_idempotent.setting_checks import (
     DUPLICATE_PUBLISH_POLICIES,
     MISSING_KEY_POLICIES,
     MYSQL_SCHEMES,
     ON_LOCKED_POLICIES,
     POSTGRES_SCHEMES,
+    PUBLISH_UNTIL,
     REDIS_SCHEMES,
     Check,
     check_bool,
@@ -46,6 +47,7 @@ __all__ = [
     "DEFAULTS",
     "DUPLICATE_PUBLISH_POLICIES",
     "ON_LOCKED_POLICIES",
+    "PUBLISH_UNTIL",
     "IdempotencySettings",
     "check_setting",
     "clear_cache",
@@ -110,8 +112,11 @@ class IdempotencySettings:
     #: ``Retry``, ``Ignore``, ``Reject``, time limits and this library's errors are never
     #: stored.
     idempotency_store_errors: tuple[type[Exception], ...] = setting((), check_store_errors)
-    #: seconds a committed result is kept.
-    idempotency_ttl: float = setting(86_400, check_duration)
+    #: seconds a committed result is kept. ``0``: nothing is kept once the body ends (never
+    #: twice at the same time, again afterwards): a duplicate delivery that arrives after the
+    #: body ended, a broker redelivery included, runs the body again, and a failure listed in
+    #: ``idempotency_store_errors`` is raised to its delivery and not kept either.
+    idempotency_ttl: float = setting(86_400, check_ttl)
     #: lease seconds; renewed every third of it while the body runs.
     idempotency_lock_ttl: float = setting(10, check_duration)
     #: lock attempts after the first, inside one delivery.
@@ -134,6 +139,13 @@ class IdempotencySettings:
     #: seconds a "queued" marker set at publish lives at most: a message the broker lost
     #: blocks its key's publishes for no longer than this.
     idempotency_publish_ttl: float = setting(3600, check_duration)
+    #: how long a published call stops a duplicate publish: ``"completed"`` (while it is
+    #: queued, running or completed) or ``"started"`` (only while it is queued: its delivery's
+    #: claim ends its marker, so one call may run while one more waits; a publish after it
+    #: completed goes through, and the worker replays it while the record lives). Redis
+    #: publish side only; with ``idempotency_ttl=0`` it is celery-once's
+    #: ``unlock_before_run``.
+    idempotency_publish_until: str = setting("completed", one_of(PUBLISH_UNTIL))
     #: schedule slot in seconds (or a ``timedelta``): the key gets the publish time rounded to
     #: the nearest multiple of it, so that a periodic task runs once per slot however many
     #: ``celery beat`` instances publish it; ``None``: no slot. A task's own

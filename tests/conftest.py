@@ -327,3 +327,31 @@ def rabbitmq_url() -> str:
     except Exception as exc:
         pytest.skip(f"{reason} ({exc!r})")
     return url
+
+
+# --------------------------------------------------------------------------- Celery's fixtures
+
+
+@pytest.fixture
+def celery_worker(
+    request: pytest.FixtureRequest,
+    celery_app: Any,
+    celery_includes: Any,
+    celery_worker_pool: Any,
+    celery_worker_parameters: Any,
+) -> Iterator[Any]:
+    """Celery's own in-process worker (``celery.contrib.pytest.celery_worker``).
+
+    pytest-celery's plugin (on in this suite, for ``tests/containers``) re-exports Celery's
+    fixtures but replaces this one with its container worker (pytest-celery issue #442); the
+    rest of the suite, like most users' in-process tests, means Celery's. ``tests/containers``
+    imports pytest-celery's back for its setups. The body is Celery's, unchanged.
+    """
+    from celery.contrib.testing import worker
+
+    for module in celery_includes:
+        celery_app.loader.import_task_module(module)
+    with worker.start_worker(
+        celery_app, pool=celery_worker_pool, **celery_worker_parameters
+    ) as started:
+        yield started

@@ -83,5 +83,6 @@ def test_tox_has_the_version_matrix_and_ci_runs_lowest() -> None:
         assert (ROOT / "constraints" / f"{env}.txt").is_file(), env
         assert env in tox.split("envlist =", 1)[1].splitlines()[0]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert ".venv/bin/tox -e lowest" in ci
     assert "twine check --strict" in ci
     assert ".ci/check_dist.py" in ci

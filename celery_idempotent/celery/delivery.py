@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_idempotent import signals
+from celery_idempotent.backends.redis.store import RedisAtomicBackend, claims_end_marker
 from celery_idempotent.celery.publish import drop_queued_marker
 from celery_idempotent.celery.requeue import on_locked, requeue, wait_in_place
 from celery_idempotent.celery.results import (
@@ -27,6 +29,7 @@ from celery_idempotent.core.exceptions import (
 )
 from celery_idempotent.core.fingerprint import key_digest
 from celery_idempotent.core.guard import ABSENT, DistributedIdempotencyGuard, Outcome
+from celery_idempotent.core.two_step import TwoStepBackend
 from celery_idempotent.settings import never_stored
 
 if TYPE_CHECKING:
@@ -72,9 +75,18 @@ def run(
     a stored failure raised again, for an eager caller the value as a replay gets it. A held
     key follows ``idempotency_on_locked`` (a re-queue raises ``Retry``)."""
     body = _Body(call_body, task, cfg.idempotency_store_errors)
+    started_ends = cfg.idempotency_publish_until == "started" and task.request.id is not None
+    claims: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if started_ends and isinstance(guard.backend, RedisAtomicBackend):
+        # The claim that takes the lock ends this call's queued marker in the same script.
+        claims = claims_end_marker(str(task.request.id))
+    elif started_ends and apart(guard):
+        # A lock and store that claim apart: the marker ends as the body starts.
+        body.on_start = lambda: drop_queued_marker(task, guard, prepared.key)
     token = _running.set((guard, task.name, task.request.id))
     try:
-        outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
+        with claims:
+            outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
     except _CONTROL_FLOW:
         raise
     except BaseException as exc:
@@ -84,7 +96,18 @@ def run(
         raise
     finally:
         _running.reset(token)
+    if not cfg.idempotency_ttl and not outcome.replayed and apart(guard):
+        # idempotency_ttl=0 through a lock and store that commit apart: no record replaced
+        # the queued marker, and no script ended it with the lease: end it here.
+        drop_queued_marker(task, guard, prepared.key)
     return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+def apart(guard: DistributedIdempotencyGuard) -> bool:
+    """Whether ``guard``'s lock provider and store claim and commit apart (a
+    ``TwoStepBackend``): a queued marker is then ended by the delivery, not by the backend's
+    own claim or commit (Redis: ``CLAIM``/``END``; PostgreSQL: the row the claim locks)."""
+    return isinstance(guard.backend, TwoStepBackend)
 
 
 def _signal_failure(task: Any, key: str, exc: BaseException, *, where: str) -> None:
@@ -114,9 +137,13 @@ class _Body:
         self.store_errors = store_errors
         self.started = False
         self.failed: BaseException | None = None
+        #: Called as the body starts (before it runs).
+        self.on_start: Callable[[], None] | None = None
 
     def __call__(self) -> Any:
         self.started = True
+        if self.on_start is not None:
+            self.on_start()
         if not self.store_errors:
             return self.call_body()
         try:

@@ -71,6 +71,7 @@ class _Check(NamedTuple):
     fingerprint: str | None
     publish_ttl: float
     policy: str
+    until: str = "completed"
 
 
 class _PublishPlan(NamedTuple):
@@ -148,7 +149,13 @@ def _checked_publish(
     if not isinstance(store, RedisIdempotencyStore):  # pragma: no cover - travels_with_push
         raise TypeError(f"{type(store).__name__} cannot travel with kombu's Redis push")
     pending = publish_redis.Pending(
-        store, check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
+        store,
+        check.record,
+        check.lock,
+        task_id,
+        check.fingerprint,
+        check.publish_ttl,
+        until=check.until,
     )
     token = publish_redis.arm(pending)
     stopped = False
@@ -193,8 +200,18 @@ def _checked_publish(
 
 def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision | None:
     """The store's decision (one round trip); ``None``: backend unreachable, publish unchecked."""
+    store = check.store
     try:
-        return check.store.check_publish(
+        if isinstance(store, RedisIdempotencyStore):
+            return store.check_publish(
+                check.record,
+                check.lock,
+                task_id,
+                check.fingerprint,
+                check.publish_ttl,
+                until=check.until,
+            )
+        return store.check_publish(
             check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
         )
     except IdempotencyConnectionError as exc:
@@ -310,6 +327,15 @@ def _plan_publish(
         return _PublishPlan(task_id=task_id)
     key, _, fingerprint = prepared
     guard = factory.guard(task, cfg)
+    if cfg.idempotency_publish_until == "started" and not isinstance(
+        guard.store, RedisIdempotencyStore
+    ):
+        # Only the Redis publish side ends a call's marker when its delivery claims the key.
+        raise ValueError(
+            f"idempotency_publish_until='started' of task {task.name} needs a Redis "
+            f"idempotency_url (the publish side that ends a call's queued marker when it "
+            f"starts); its store is a {type(guard.store).__name__}"
+        )
     store = publish_checker(guard.store)
     if store is None:  # the run-time guard decides alone
         return _PublishPlan(task_id=task_id)
@@ -321,6 +347,7 @@ def _plan_publish(
         fingerprint,
         cfg.idempotency_publish_ttl,
         policy,
+        cfg.idempotency_publish_until,
     )
     return _PublishPlan(task_id=task_id, check=check)
 
@@ -350,15 +377,16 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
     signals.idempotency_publish_stopped.send(
         sender=task, task_id=first, key=key, state=found.action
     )
+    state = found.state or ("completed" if found.action == "completed" else "queued")
     log.info(
         "duplicate publish of %s stopped: key=%s is %s (task %s)",
         task.name,
         key_digest(key),
-        found.action,
+        state,
         first,
     )
     if policy == "raise":
-        raise DuplicatePublishError(key, first)
+        raise DuplicatePublishError(key, first, state=state, ttl_left=found.ttl_left)
     if found.action == "queued":
         return task.AsyncResult(first)
     record = found.record

@@ -452,6 +452,7 @@ def check_beat_schedule(app: Any) -> list[str]:
         if (
             not cfg.idempotency_enabled
             or cfg.idempotency_window is not None
+            or not cfg.idempotency_ttl  # 0: nothing kept, each run after the last one runs
             or callable(strategy)
             or strategy == "task_id"
         ):

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent.admin import forget_key, forget_plan, held_lock_reason, read_key
+from celery_idempotent.admin import (
+    ForgottenAll,
+    forget_all,
+    forget_key,
+    forget_plan,
+    held_lock_reason,
+    read_key,
+)
 from celery_idempotent.cli.common import Target, connect, emit_json, redis_errors
 from celery_idempotent.cli.options import (
     KeySelection,
@@ -31,6 +39,12 @@ __all__ = ["forget"]
 
 @click.command(cls=CeleryCommand)
 @key_options
+@click.option(
+    "--all",
+    "all_tasks",
+    is_flag=True,
+    help="Every key of every idempotent task of the app, each where its settings put it.",
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option(
@@ -53,6 +67,7 @@ def forget(
     ctx: click.Context,
     *,
     selection: KeySelection,
+    all_tasks: bool,
     dry_run: bool,
     yes: bool,
     force: bool,
@@ -62,7 +77,8 @@ def forget(
     prefix: str | None,
     as_json: bool,
 ) -> None:
-    """Delete one key's record, or every key of a task (--task NAME without KEY).
+    """Delete one key's record, every key of a task (--task NAME without KEY), or every key
+    of every idempotent task of the app (--all).
 
     The next delivery of a forgotten key runs the body again. Held locks (a body running now)
     are kept unless --force. Fence keys are kept unless --include-fences: they expire by
@@ -70,9 +86,26 @@ def forget(
     server's time in µs).
     """
     task_name = selection.task_name
+    if all_tasks:
+        if selection.names_a_key or task_name is not None:
+            raise click.UsageError("--all names every key already: pass no KEY and no --task")
+        _forget_all(
+            ctx,
+            dry_run=dry_run,
+            yes=yes,
+            force=force,
+            include_fences=include_fences,
+            batch_size=batch_size,
+            url=url,
+            prefix=prefix,
+            as_json=as_json,
+        )
+        return
     if not selection.names_a_key:
         if task_name is None:
-            raise click.UsageError("pass --task NAME (every key of that task) and/or a KEY")
+            raise click.UsageError(
+                "pass --task NAME (every key of that task) and/or a KEY, or --all"
+            )
         target = connect(
             ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task
         )
@@ -311,3 +344,107 @@ def _forget_task(
     fenced = f", {done.fences} fence(s)" if include_fences else ""
     click.echo(f"deleted {done.records} record(s){fenced} and {done.locks} lock(s) of {where}")
     note_unattributed(done)
+
+
+def _forget_all(
+    ctx: click.Context,
+    *,
+    dry_run: bool,
+    yes: bool,
+    force: bool,
+    include_fences: bool,
+    batch_size: int,
+    url: str | None,
+    prefix: str | None,
+    as_json: bool,
+) -> None:
+    """``forget --all``: every idempotent task's keys (:func:`admin.forget_all`), counted
+    first, then confirmed (unless ``--yes``), then deleted."""
+    app = getattr(ctx.obj, "app", None)
+    if app is None:
+        raise click.UsageError("run it as `celery -A proj idempotency ...` (no Celery app found)")
+    quiet = bool(getattr(ctx.obj, "quiet", False))
+
+    def progress(line: str) -> None:
+        if not quiet:
+            click.echo(line, err=True)
+
+    options: dict[str, Any] = {
+        "force": force,
+        "include_fences": include_fences,
+        "batch_size": batch_size,
+        "url": url,
+        "prefix": prefix,
+        "progress": progress,
+    }
+    try:
+        found = forget_all(app, dry_run=True, **options)
+    except (TypeError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    if not found.namespaces:
+        raise click.UsageError("the app registers no IdempotentTask: nothing to forget")
+    if dry_run or not yes:
+        if as_json and dry_run:
+            emit_json(_all_doc(found))
+            return
+        if not as_json or dry_run:
+            _print_all(found, "would forget")
+        if dry_run:
+            return
+        if not found.records + found.locks + sum(each.fences for each in found.namespaces):
+            if as_json:
+                emit_json(_all_doc(found))
+            else:
+                click.echo("nothing to forget")
+            return
+        click.confirm(
+            f"Forget {found.records} record(s)"
+            + (f" and {found.locks} held lock(s)" if force else "")
+            + f" of {len(found.namespaces)} task namespace(s)? Their next deliveries run the "
+            "body again",
+            abort=True,
+            err=True,
+        )
+    done = forget_all(app, **options)
+    if as_json:
+        emit_json(_all_doc(done))
+        return
+    _print_all(done, "forgot")
+
+
+def _all_doc(result: ForgottenAll) -> dict[str, Any]:
+    return {
+        "dry_run": result.dry_run,
+        "records": result.records,
+        "locks": result.locks,
+        "kept_locks": result.kept_locks,
+        "namespaces": [dataclasses.asdict(each) for each in result.namespaces],
+    }
+
+
+def _print_all(result: ForgottenAll, verb: str) -> None:
+    for each in result.namespaces:
+        tasks = ", ".join(each.tasks)
+        shown = each.namespace if each.tasks == (each.namespace,) else f"{each.namespace} ({tasks})"
+        if each.skipped is not None:
+            click.echo(f"skipped {shown}: {each.skipped}")
+            continue
+        line = f"{verb} {each.records} record(s)"
+        if each.locks:
+            line += f" and {each.locks} held lock(s)"
+        if each.fences:
+            line += f", {each.fences} fence(s)"
+        line += f" of {shown} under {each.prefix!r} on {each.where}"
+        if each.kept_locks:
+            line += f"; {each.kept_locks} held lock(s) kept (bodies running now; --force)"
+        click.echo(line)
+        if each.unattributed:
+            click.echo(
+                f"  {each.unattributed} shortened key(s) may be {each.namespace}'s but cannot "
+                "be attributed; left alone",
+                err=True,
+            )
+    click.echo(
+        f"total: {result.records} record(s), {result.locks} held lock(s)"
+        + (f", {result.kept_locks} kept" if result.kept_locks else "")
+    )

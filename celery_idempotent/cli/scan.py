@@ -1,19 +1,20 @@
-"""Walking a prefix's names with SCAN (``forget --task``, ``stats``): counted, sampled or
-deleted in pipelined batches, each name checked exactly against the task it should belong to."""
+"""Walking a prefix's names with SCAN for the commands (``forget --task``, ``forget --all``,
+``stats``): :mod:`celery_idempotent.backends.redis.scan`'s walk, with the progress lines on
+stderr, and the commands' own output helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
-
 import click
 
-from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
-from celery_idempotent.backends.redis import client as redis_client
-from celery_idempotent.backends.redis import scripts as redis_scripts
-from celery_idempotent.cli.common import SAMPLE, Target, progress
-from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name, task_of_slot
+from celery_idempotent.backends.redis.scan import (
+    Scan,
+    decode_name,
+    scan_names,
+    tagged_task,
+)
+from celery_idempotent.backends.redis.scan import count_task as _count_task
+from celery_idempotent.backends.redis.scan import delete_task as _delete_task
+from celery_idempotent.cli.common import Target, progress
 
 __all__ = [
     "Scan",
@@ -27,157 +28,23 @@ __all__ = [
 ]
 
 
-def tagged_task(task: str) -> str:
-    """How ``task`` appears in slots: braces become parentheses (such keys are shortened)."""
-    return task.replace("{", "(").replace("}", ")")
-
-
-def _scan_pattern(prefix: str, task: str | None) -> str:
-    """SCAN MATCH for every name under ``prefix``, or for ``task``'s records and locks.
-
-    ``<prefix>*{<task>:*`` with prefix and task glob-escaped: one walk of the keyspace finds
-    ``<prefix>{...}`` and ``<prefix>lock:{...}``; callers check each name exactly. For a task
-    name of 64 characters or more, the pattern holds only the part that survives shortening.
-    """
-    if task is None:
-        return redis_client.glob_escape(prefix) + "*"
-    head = ("{" + tagged_task(task) + ":")[: HEAD_CHARS + 1]
-    return redis_client.glob_escape(prefix) + "*" + redis_client.glob_escape(head) + "*"
-
-
-def decode_name(name: Any) -> str:
-    return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else str(name)
-
-
-@dataclass
-class Scan:
-    """What a scan found (or deleted)."""
-
-    records: int = 0
-    locks: int = 0
-    fences: int = 0
-    #: Names under the prefix that are not records, locks or fences.
-    other: int = 0
-    #: Shortened names that may belong to the task but cannot be told apart.
-    unattributed: int = 0
-    scanned: int = 0
-    sample: list[str] = field(default_factory=list)
-
-
-def scan_names(
-    target: Target,
-    task: str | None,
-    batch_size: int,
-    scan: Scan,
-    *,
-    fences: bool = False,
-) -> Iterator[tuple[str, str, bytes]]:
-    """``(kind, task, raw name)`` of every record and lock (and fence, with ``fences``)
-    under the prefix, or of ``task``'s only: SCAN in batches (see :func:`_scan_pattern`),
-    each name then checked exactly.
-
-    ``kind`` is ``"record"``, ``"lock"`` (a held one: the tombstone a lease leaves when it
-    ends is skipped, it expires by itself) or ``"fence"``; the task is ``"(shortened)"`` for a
-    shortened key whose head ends before its kind marker, ``"(no task)"`` for a key that is
-    not task-namespaced (a guard used directly).
-    """
-    tagged = None if task is None else tagged_task(task)
-    pattern = _scan_pattern(target.prefix, task)
-    holder = target.client.register_script(redis_scripts.HOLDER)
-    for raw in target.client.scan_iter(match=pattern, count=batch_size):
-        scan.scanned += 1
-        parsed = parse_name(decode_name(raw), target.prefix)
-        if parsed is None:
-            scan.other += 1
-            continue
-        kind, slot = parsed
-        if kind == "fence" and not fences:
-            continue
-        owner = task_of_slot(slot)
-        shortened = SHORTENED_MARK in slot
-        if owner is None and shortened and tagged is not None:
-            if slot.partition(SHORTENED_MARK)[0].startswith(tagged + ":"):
-                owner = tagged  # the head ends inside the kind marker: still this task's
-            else:
-                scan.unattributed += 1
-                continue
-        if tagged is not None and owner != tagged:
-            continue
-        if kind == "lock" and holder(keys=[raw]) is None:
-            continue  # a lease that has ended: a tombstone that keeps its fencing token a while
-        yield kind, owner or ("(shortened)" if shortened else "(no task)"), raw
-
-
 def count_task(
     target: Target, task: str, batch_size: int, force: bool, fences: bool = False
 ) -> Scan:
-    """Count a task's records and held locks (and fences); SCAN may count a key twice while
-    Redis resizes its table; the deletion that follows counts exactly."""
-    found = Scan()
-    names = scan_names(target, task, batch_size, found, fences=fences)
-    for matched, (kind, _, raw) in enumerate(names, 1):
-        if kind == "record":
-            found.records += 1
-        elif kind == "fence":
-            found.fences += 1
-            continue  # not sampled: a fence is not what a user forgets
-        else:
-            found.locks += 1
-        if len(found.sample) < SAMPLE and (force or kind == "record"):
-            found.sample.append(decode_name(raw))
-        if matched % batch_size == 0:
-            progress(target, f"counting: {matched} key(s) of {task} so far")
-    return found
+    """Count a task's records and held locks (and fences), progress on stderr."""
+    return _count_task(
+        target, task, batch_size, force, fences, progress=lambda line: progress(target, line)
+    )
 
 
 def delete_task(
     target: Target, task: str, batch_size: int, force: bool, fences: bool = False
 ) -> Scan:
     """Delete a task's records (with ``force`` its held locks, with ``fences`` its fences)
-    in pipelined batches."""
-    done = Scan()
-    batch: list[tuple[str, bytes]] = []
-    batches = 0
-
-    drop_fence = target.client.register_script(redis_admin_scripts.DROP_FENCE)
-
-    def flush() -> None:
-        nonlocal batches
-        # One DEL per name: on a cluster the names live in different slots. A fence key is
-        # deleted by a script of its own, only once the server clock has passed it (fence
-        # keys are rare in layout v2: 0.1.0's, or a token ahead of a clock that stepped back).
-        pipe = target.client.pipeline(transaction=False)
-        for kind, raw in batch:
-            if kind != "fence":
-                pipe.delete(raw)
-        replies = iter(pipe.execute())
-        results = [
-            drop_fence(keys=[raw]) if kind == "fence" else next(replies) for kind, raw in batch
-        ]
-        for (kind, _), gone in zip(batch, results):
-            if gone and kind == "record":
-                done.records += 1
-            elif gone and kind == "fence":
-                done.fences += 1
-            elif gone:
-                done.locks += 1
-        batch.clear()
-        batches += 1
-
-    for kind, _, raw in scan_names(target, task, batch_size, done, fences=fences):
-        if kind == "lock" and not force:
-            continue
-        batch.append((kind, raw))
-        if len(batch) >= batch_size:
-            flush()
-            progress(
-                target,
-                f"deleting: batch {batches}, {done.records + done.locks + done.fences} "
-                f"key(s) deleted ({done.scanned} scanned)",
-            )
-    if batch:
-        flush()
-    return done
+    in pipelined batches, progress on stderr."""
+    return _delete_task(
+        target, task, batch_size, force, fences, progress=lambda line: progress(target, line)
+    )
 
 
 def deleted_doc(done: Scan, include_fences: bool) -> dict[str, int]:

@@ -151,17 +151,27 @@ class DuplicatePublishError(IdempotencyError):
     running, with ``idempotency_on_duplicate_publish="raise"``: nothing was published.
 
     ``task_id`` is the id of the first call's task (``None`` when it is not known: a record
-    written by 0.1.0).
+    written by 0.1.0). ``state`` is what that call is: ``"queued"``, ``"running"`` or
+    ``"completed"``. ``ttl_left`` is how many seconds at most the key stays blocked: the
+    record's time left (completed), or the queued marker's (queued, running; it ends sooner
+    when the call ends without a record: a failure, ``idempotency_ttl=0``); ``None`` when not
+    known (a record of 0.1.0, one without a TTL).
     """
 
     key: str | None = None
     task_id: str | None = None
     message: str | None = None
+    state: str | None = None
+    ttl_left: float | None = None
 
     def _describe(self) -> str:
+        state = f" and is {self.state}" if self.state else ""
+        frees = (
+            f"; the key frees in {self.ttl_left:.1f} s at most" if self.ttl_left is not None else ""
+        )
         return (
-            f"a call with this idempotency key was already published as task {self.task_id}: "
-            "nothing was published (idempotency_on_duplicate_publish='raise')"
+            f"a call with this idempotency key was already published as task {self.task_id}"
+            f"{state}: nothing was published (idempotency_on_duplicate_publish='raise'){frees}"
         )
 
 

@@ -37,7 +37,7 @@ from celery_idempotent.core.exceptions import (
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.core.fingerprint import fingerprint_payload, key_digest
+from celery_idempotent.core.fingerprint import KeyLabel, fingerprint_payload, key_digest
 from celery_idempotent.core.outcome import (
     ABSENT,
     GuardEvent,
@@ -57,7 +57,7 @@ from celery_idempotent.core.protocols import (
     check_implements,
 )
 from celery_idempotent.core.two_step import TwoStepBackend, backend_call, release_quietly
-from celery_idempotent.core.validate import check_count, check_delay, check_duration
+from celery_idempotent.core.validate import check_count, check_delay, check_duration, check_ttl
 from celery_idempotent.keyspace import lock_name, record_name
 
 __all__ = [
@@ -76,7 +76,9 @@ log = logging.getLogger("celery_idempotent")
 class DistributedIdempotencyGuard:
     """Runs a function at most once per key, and replays its stored result to duplicates.
 
-    ``store`` keeps results for ``ttl`` seconds; ``lock_provider`` serializes callers of one
+    ``store`` keeps results for ``ttl`` seconds (``0``: nothing is kept; the commit only
+    proves the lease and releases it, so the key is free, and runs again, once a body
+    ends); ``lock_provider`` serializes callers of one
     key across threads, processes and machines, with leases of ``lock_ttl`` seconds that are
     renewed every ``renew_interval`` (a third of ``lock_ttl`` by default) while the body runs.
     A key that is held is tried ``1 + retry_count`` times, waiting
@@ -84,7 +86,9 @@ class DistributedIdempotencyGuard:
     capped at ``retry_max_delay`` when given. ``fingerprint_fn`` hashes ``input`` for mismatch
     detection; ``key_prefix`` namespaces lock and record names. ``clock`` stamps records;
     ``sleep`` and ``random`` drive the back-off (inject fakes in tests); ``on_event`` receives
-    :class:`GuardEvent` s (its errors are logged, never raised).
+    :class:`GuardEvent` s (its errors are logged, never raised); when it also has a
+    ``wants(kind) -> bool`` method, an event is built only for a kind it wants (no work on the
+    hot path for events nobody listens to).
 
     Durations are seconds (int, float or ``datetime.timedelta``). One instance is safe to share
     between threads.
@@ -132,7 +136,7 @@ class DistributedIdempotencyGuard:
             )
         self.store = store
         self.lock_provider = lock_provider
-        self.ttl = check_duration("ttl", ttl)
+        self.ttl = check_ttl("ttl", ttl)
         self.lock_ttl = check_duration("lock_ttl", lock_ttl)
         self.retry_count = check_count("retry_count", retry_count)
         self.retry_base_delay = check_delay("retry_base_delay", retry_base_delay)
@@ -157,6 +161,8 @@ class DistributedIdempotencyGuard:
             self.retry_base_delay, self.retry_max_delay, random
         )
         self._on_event = on_event
+        wants = getattr(on_event, "wants", None)
+        self._wants: Callable[[str], bool] | None = wants if callable(wants) else None
         paired = store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
         #: What claims and commits: the store's own atomic backend for ``lock_provider``, else
         #: a :class:`~celery_idempotent.core.two_step.TwoStepBackend` of the two.
@@ -346,7 +352,7 @@ class DistributedIdempotencyGuard:
             lease,
             self.lock_ttl,
             self.renew_interval,
-            label=f"key #{key_digest(key)}",
+            label=KeyLabel(key),
         )
         try:
             with running_under(lease):
@@ -372,9 +378,10 @@ class DistributedIdempotencyGuard:
     def _emit(
         self, kind: str, key: str, attempt: int, started: float, fencing: int | None = None
     ) -> None:
-        if self._on_event is None:
+        on_event = self._on_event
+        if on_event is None or (self._wants is not None and not self._wants(kind)):
             return
         try:
-            self._on_event(GuardEvent(kind, key, attempt, self.clock() - started, fencing))
+            on_event(GuardEvent(kind, key, attempt, self.clock() - started, fencing))
         except Exception:
             log.exception("on_event handler failed for %s of key #%s", kind, key_digest(key))

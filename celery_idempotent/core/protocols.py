@@ -106,6 +106,9 @@ class PublishDecision(NamedTuple):
     ``action``: ``"publish"`` (the marker is set, or the check could not decide: ``unchecked``),
     ``"completed"`` (``record`` holds the stored result), ``"queued"`` (queued or running as
     ``task_id``) or ``"mismatch"`` (queued or running with ``stored_fingerprint``).
+    ``state`` says which of ``"completed"``, ``"queued"`` or ``"running"`` stopped the publish
+    (``None``: the store does not tell queued from running), ``ttl_left`` the seconds the
+    record or the queued marker has left (``None``: not known).
     """
 
     action: str
@@ -113,6 +116,8 @@ class PublishDecision(NamedTuple):
     record: IdempotencyRecord | None = None
     stored_fingerprint: str | None = None
     unchecked: bool = False
+    state: str | None = None
+    ttl_left: float | None = None
 
 
 @runtime_checkable
@@ -149,7 +154,9 @@ class AtomicBackend(Protocol):
     - ``claim``: if the lock is free and a record exists, return the record (no lease taken);
       if the lock is free and no record exists, take the lock; if the lock is held, neither.
     - ``commit``: store the record and release the lock, only while ``lease`` still holds it;
-      ``False`` (and nothing written) otherwise.
+      ``False`` (and nothing written) otherwise. ``ttl == 0`` (``idempotency_ttl=0``) stores
+      nothing: the commit proves the lease and releases the lock, so the key is free at once
+      (the next claim runs the body again); a resend after a lost reply still reports ``True``.
     """
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim: ...

@@ -111,9 +111,10 @@ class TwoStepBackend:
         return Claim(None, record)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Store ``record`` for ``ttl`` seconds while ``lease`` provably holds the lock, then
-        release it. ``False`` when the lease is no longer held (nothing written);
-        :class:`CommitUnknownError` when it was lost after a write whose reply was lost."""
+        """Store ``record`` for ``ttl`` seconds (``0``: store nothing) while ``lease`` provably
+        holds the lock, then release it. ``False`` when the lease is no longer held (nothing
+        written); :class:`CommitUnknownError` when it was lost after a write whose reply was
+        lost."""
         resent = bool(self._unconfirmed) and lease in self._unconfirmed
         # Prove the lease (and give it a full lock_ttl for the write) right before writing,
         # and write only while that proof holds.
@@ -137,6 +138,10 @@ class TwoStepBackend:
                 self._unconfirmed.pop(lease, None)
                 self._give_back(key, lease)
                 return True
+        if not ttl:
+            # idempotency_ttl=0: nothing is kept; the proven lease is given back, the key free.
+            self._give_back(key, lease)
+            return True
         if self._monotonic() - proved >= self.lock_ttl:
             # The proof's reply (or the look-up) came back after a whole lease: the lease may
             # have run out since, and the write must not land after it. Prove it again.

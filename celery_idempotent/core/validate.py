@@ -9,7 +9,7 @@ import datetime as _dt
 import math
 from typing import Any
 
-__all__ = ["check_count", "check_delay", "check_duration"]
+__all__ = ["check_count", "check_delay", "check_duration", "check_ttl"]
 
 
 def _seconds(name: str, value: Any) -> float:
@@ -34,6 +34,17 @@ def check_duration(name: str, value: Any) -> float:
     seconds = _seconds(name, value)
     if seconds <= 0:
         raise ValueError(f"{name} must be greater than 0 seconds, got {value!r}")
+    return seconds
+
+
+def check_ttl(name: str, value: Any) -> float:
+    """A record's time to live in seconds: greater than 0, or exactly 0 (nothing is kept once
+    the body ends: the key frees as soon as the body commits)."""
+    seconds = _seconds(name, value)
+    if seconds < 0:
+        raise ValueError(
+            f"{name} must be 0 (remember nothing once the body ends) or more seconds, got {value!r}"
+        )
     return seconds
 
 

@@ -61,7 +61,10 @@ def test_the_check_reports_each_misconfigured_task_and_sums_up_the_rest(
     assert ("ERROR", f"celery-idempotent: {mine[0]}") in records
     summary = [m for level, m in records if level == "INFO"]
     assert len(summary) == 1
-    healthy = len(ours) - len(errors)
+    # Only the tasks' own errors count against the summary: whether the probe of the URL's
+    # Redis adds one depends on the machine (is something on 6379?) and on redis-py (4.6
+    # reports the server's refusal of the URL's password; 8.x does not).
+    healthy = len(ours) - len(mine)
     assert summary[0].startswith(f"celery-idempotent: {healthy} idempotent task(s): ")
     assert " at redis://:***@127.0.0.1:6379/4" in summary[0]
     assert "1 at disabled (idempotency_enabled=False)" in summary[0]

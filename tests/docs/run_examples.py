@@ -10,7 +10,8 @@ Per page, in order and in one namespace (as a reader goes down the page):
   ``<!-- example: not run (the reason) -->``;
 - a block made only of ``--8<-- "path"`` lines (pymdownx.snippets includes), or right after
   ``<!-- include: path -->`` (a copy of the file, ``docs/_ext/hooks.py``), is not executed
-  here: it must name files of a sample project (``SAMPLES``), which ``tests/plugin`` runs;
+  here: it must name files of a sample project (``SAMPLES``), which the suite runs
+  (``tests/plugin`` the plugin's and Django's, ``tests/containers/example`` pytest-celery's);
 - ``<!-- example-setup`` ... ``-->`` is executed where it stands, hidden from the reader: what
   a block takes from the reader's own project (an ``app``, a stand-in for a payment gateway).
 """
@@ -27,8 +28,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-#: The sample projects whose files a page may include (their own pytest processes run them).
-SAMPLES = ("tests/plugin/sample_project/", "tests/plugin/django_project/")
+#: The sample projects whose files a page may include (the suite runs them: tests/plugin in
+#: their own pytest processes, tests/containers/example on pytest-celery's setups).
+SAMPLES = (
+    "tests/plugin/sample_project/",
+    "tests/plugin/django_project/",
+    "tests/containers/example/",
+)
 FENCE = re.compile(r"^```(\w*)[^\n]*$")
 NOT_RUN = re.compile(r"^<!-- example: not run \((.+)\) -->$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')

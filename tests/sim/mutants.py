@@ -159,7 +159,7 @@ MUTANTS += [
         "publish-ignores-record",
         "PUBLISH does not see a committed record (the completed answer is gone)",
         script_edit=_sub(
-            (r"if head == '[^']*' then return \{2, rec\} end", ""),
+            (r"if head == '[^']*' then return \{2, rec[^}]*\} end", ""),
             only="PUBLISH",
         ),
         publish=True,
@@ -169,7 +169,7 @@ MUTANTS += [
         "PUBLISH writes its queued marker over a committed record",
         script_edit=_sub(
             (
-                r"if head == '([^']*)' then return \{2, rec\} end",
+                r"if head == '([^']*)' then return \{2, rec[^}]*\} end",
                 r"if head == '\1' then redis.call('set', KEYS[1], 'q|' .. ARGV[1] .. '|' .. "
                 r"ARGV[2], 'PX', ARGV[3]) return {1} end",
             ),

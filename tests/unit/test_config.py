@@ -55,7 +55,8 @@ COUNT_BAD = [
 ]
 
 CASES = (
-    [("ttl", v, e) for v, e in DURATION_BAD]
+    # ttl may be 0 (idempotency_ttl=0: nothing kept once the body ends); below 0 it is bad.
+    [("ttl", v, e) for v, e in DURATION_BAD if v not in (0, dt.timedelta(0))]
     + [("lock_ttl", v, e) for v, e in DURATION_BAD]
     + [("renew_interval", v, e) for v, e in DURATION_BAD if v is not None]  # None: default
     + [("retry_count", v, e) for v, e in COUNT_BAD]

@@ -49,6 +49,10 @@ EXAMPLES = [
     (DuplicatePublishError("k10", "tid-1"), {"key": "k10", "task_id": "tid-1"}),
     (DuplicatePublishError("k10"), {"key": "k10", "task_id": None, "message": None}),
     (
+        DuplicatePublishError("k10", "tid-1", state="queued", ttl_left=3597.25),
+        {"key": "k10", "task_id": "tid-1", "state": "queued", "ttl_left": 3597.25},
+    ),
+    (
         IdempotencyKeyHeldError("t:key:k", "host:1:ab", 2.5, "held"),
         {"key": "t:key:k", "holder": "host:1:ab", "lease_left": 2.5, "message": "held"},
     ),

@@ -620,8 +620,8 @@ def test_rule_10_one_guard_instance_is_safe_to_share_between_threads(make_guard)
 @pytest.mark.parametrize(
     ("option", "value", "error"),
     [
-        ("ttl", 0, ValueError),
-        ("lock_ttl", -1, ValueError),
+        ("ttl", -1, ValueError),  # 0 is valid: nothing kept once the body ends
+        ("lock_ttl", 0, ValueError),
         ("retry_count", -1, ValueError),
         ("retry_base_delay", -0.1, ValueError),
         ("ttl", "10", TypeError),

@@ -36,7 +36,7 @@ from celery_idempotent.backends.postgres.connections import ended_by_body, split
 from celery_idempotent.backends.postgres.sql import decode_row, record_columns
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
-from celery_idempotent.core.validate import check_delay, check_duration
+from celery_idempotent.core.validate import check_delay, check_duration, check_ttl
 
 __all__ = ["MySQLBackend"]
 
@@ -230,8 +230,9 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
         """Write the record into the lease's transaction and COMMIT it (with the body's
         writes), in one flight. ``False`` when the lease is no longer ours. A connection
         error raises ``ConnectionError`` (the outcome is open); called again after one, it
-        answers from the database whether this lease's record was committed."""
-        ttl = check_duration("ttl", ttl)
+        answers from the database whether this lease's record was committed. ``ttl == 0``
+        (``idempotency_ttl=0``): the row is written already expired, so nothing is kept."""
+        ttl = check_ttl("ttl", ttl)
         row = self._row(key)
         tx = self._open.get(lease.token)
         if tx is None:

@@ -40,7 +40,7 @@ from celery_idempotent.backends.postgres.sql import (
 from celery_idempotent.core.codec import ResultCodec
 from celery_idempotent.core.exceptions import IdempotencyConnectionError, IdempotencyKeyHeldError
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
-from celery_idempotent.core.validate import check_duration
+from celery_idempotent.core.validate import check_duration, check_ttl
 from celery_idempotent.urls import redact
 
 __all__ = ["PostgresBackend"]
@@ -400,7 +400,7 @@ class PostgresBackend(PsycopgTransactions):
         writes). ``False`` when the lease is no longer ours. A connection error raises
         ``ConnectionError`` (the outcome is open); called again after one, it answers from
         the database whether this lease's record was committed."""
-        ttl = check_duration("ttl", ttl)
+        ttl = check_ttl("ttl", ttl)
         row = self._row(key)
         tx = self._open.get(lease.token)
         if tx is None:

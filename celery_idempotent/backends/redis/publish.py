@@ -60,6 +60,8 @@ class Pending:
     fingerprint: str | None
     publish_ttl: float
     decision: PublishDecision | None = None
+    #: ``idempotency_publish_until`` of the call.
+    until: str = "completed"
     #: The hook has taken this publish's message (whatever the check decided).
     taken: bool = False
     #: The message was pushed by the check's own script (one round trip for both).
@@ -263,6 +265,7 @@ def _hook(original: Any, *, fusable: bool) -> Any:
                 pending.fingerprint,
                 pending.publish_ttl,
                 push=push,
+                until=pending.until,
             )
         except IdempotencyConnectionError as exc:
             # Publishing without the check is safe (the worker's guard decides); kombu's push

@@ -11,25 +11,44 @@ from celery_idempotent.backends.redis.scripts import SEP
 __all__ = ["DROP_QUEUED", "PUBLISH", "PUBLISH_AND_PUSH"]
 
 # KEYS[1] record  KEYS[2] lock   ARGV[1] task id  ARGV[2] fingerprint ('' for none)
-# ARGV[3] publish ttl ms
+# ARGV[3] publish ttl ms  ARGV[4] "started" (idempotency_publish_until="started"), else ''
 # The publish-side decision of apply_async, in one step:
 # -> {1}                  publish: the marker for ARGV[1] is set (or was already ARGV[1]'s own)
-# -> {2, record}          completed (v2 record): publish nothing
+# -> {2, record, pttl}    completed (v2 record): publish nothing (pttl: the record's ms left)
 # -> {3, v1 fields...}    completed (v1 record): publish nothing
 # -> {5, task id, fp}     queued or running under another fingerprint: a mismatch
-# -> {6, task id}         queued or running (the marker names the first call): publish nothing
+# -> {6, task id, running, pttl}  queued (running 0) or running (1) as the marker's task id,
+#                         pttl the marker's ms left: publish nothing
 # -> {7}                  running without a marker, or a foreign value: publish as without
 #                         the check (the run-time guard decides)
-# A lock whose lease has ended (a tombstone) is not running.
+# A lock whose lease has ended (a tombstone) is not running. With ARGV[4] "started" a call
+# stops a publish only while it is queued: the claim of its delivery ended its marker (CLAIM's
+# ARGV[3]), so a marker is a call that has not started; a running call without one gets a
+# marker for this call (one running, one queued), and a record ({2}, {3}) is published past
+# as {7} (the worker replays it while it lives).
 PUBLISH = (
     """
 local got = redis.call('mget', KEYS[1], KEYS[2])
 local rec, held = got[1], got[2]
+local started = ARGV[4] == 'started'
+local function live()
+  if not held then return false end
+  local a = string.find(held, '"""
+    + SEP
+    + """', 1, true)
+  local d = a and tonumber(string.sub(held, 1, a - 1))
+  if not d then return true end
+  local t = redis.call('time')
+  return d * 1000 > tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 if rec then
   local head = string.sub(rec, 1, 2)
+  if started and head == '"""
+    + keyspace.RECORD_HEAD
+    + """' then return {7} end
   if head == '"""
     + keyspace.RECORD_HEAD
-    + """' then return {2, rec} end
+    + """' then return {2, rec, redis.call('pttl', KEYS[1])} end
   if head ~= '"""
     + keyspace.QUEUED_HEAD
     + """' then return {7} end
@@ -40,23 +59,18 @@ if rec then
   local tid, fp = string.sub(rec, 3, cut - 1), string.sub(rec, cut + 1)
   if tid == ARGV[1] then return {1} end
   if fp ~= '' and ARGV[2] ~= '' and fp ~= ARGV[2] then return {5, tid, fp} end
-  return {6, tid}
+  local running = 0
+  if not started and live() then running = 1 end
+  return {6, tid, running, redis.call('pttl', KEYS[1])}
 elseif redis.call('exists', KEYS[1]) == 1 then
+  if started then return {7} end
   local v1 = redis.pcall('hmget', KEYS[1], """
     + keyspace.lua_list(keyspace.V1_RECORD_FIELDS)
     + """)
   if type(v1) == 'table' and v1[1] then return {3, unpack(v1)} end
   return {7}
 end
-if held then
-  local a = string.find(held, '"""
-    + SEP
-    + """', 1, true)
-  local d = a and tonumber(string.sub(held, 1, a - 1))
-  if not d then return {7} end
-  local t = redis.call('time')
-  if d * 1000 > tonumber(t[1]) * 1000000 + tonumber(t[2]) then return {7} end
-end
+if live() and not started then return {7} end
 redis.call('set', KEYS[1], '"""
     + keyspace.QUEUED_HEAD
     + """' .. ARGV[1] .. '"""
@@ -67,7 +81,7 @@ return {1}
 )
 
 # KEYS[1] record  KEYS[2] lock  KEYS[3] the broker's queue (a kombu Redis list)
-# ARGV[1..3] as PUBLISH  ARGV[4] the message as kombu's Redis transport pushes it
+# ARGV[1..4] as PUBLISH  ARGV[5] the message as kombu's Redis transport pushes it
 # PUBLISH's decision (its very text, run as a function), then the message pushed in the same
 # step when it says publish ({1}, {7}): one round trip for the check and the broker's LPUSH
 # when the broker is this Redis. Replies as PUBLISH; nothing pushed for the others.
@@ -76,7 +90,7 @@ PUBLISH_AND_PUSH = (
     + PUBLISH
     + """end
 local r = decide()
-if r[1] == 1 or r[1] == 7 then redis.call('lpush', KEYS[3], ARGV[4]) end
+if r[1] == 1 or r[1] == 7 then redis.call('lpush', KEYS[3], ARGV[5]) end
 return r
 """
 )

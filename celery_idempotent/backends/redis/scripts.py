@@ -21,6 +21,7 @@ __all__ = [
     "ACQUIRE",
     "CLAIM",
     "COMMIT",
+    "END",
     "EXTEND",
     "HOLDER",
     "LUA_TIME",
@@ -168,6 +169,9 @@ return fs
 )
 
 # KEYS[1] lock  KEYS[2] record  KEYS[3] fence   ARGV[1] token  ARGV[2] lease ms
+# ARGV[3] (optional) a task id: when the lock is taken over that call's own queued marker, the
+# marker is deleted in the same step (idempotency_publish_until="started": the call has
+# started, a publish may queue one more)
 # Lock first, then the store, in one step (one MGET reads the lock, a v2 record and the fence):
 # -> {0}                  the lock is held by another holder (the record is not looked at)
 # -> {1, fencing token}   the lock was free and there is no record: the lock is now ours
@@ -213,6 +217,14 @@ if not now then
     + "end\n"
     + _take("KEYS[3]")
     + """
+if rec and ARGV[3] and ARGV[3] ~= '' then
+  local mine = '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[3] .. '"""
+    + keyspace.SEP
+    + """'
+  if string.sub(rec, 1, #mine) == mine then redis.call('del', KEYS[2]) end
+end
 return {1, fs}
 """
 )
@@ -248,6 +260,51 @@ redis.call('del', KEYS[1])
 """
     + lua_keep("KEYS[3]", "ARGV[4]")
     + """
+return 1
+"""
+)
+
+# KEYS[1] lock  KEYS[2] record  KEYS[3] fence
+# ARGV[1] the lease's token  ARGV[2] the delivery's task id ('' for none)  ARGV[3] fencing token
+# The commit of idempotency_ttl=0: nothing is stored. While the lease is ours, the lock becomes
+# a tombstone (as RELEASE leaves it: the key is free, the fencing token kept) and the queued
+# marker naming ARGV[2], if the record name still holds it, is deleted (another call's marker,
+# one queued while this body ran, stays).
+# -> 1 ended; 0 not the holder (nothing changed).
+# A resent END that already went through finds its own tombstone: 1. (Claimed by another in
+# between, the lease reads as lost: the guard reports the result as not committed.)
+END = (
+    """
+local v = redis.call('get', KEYS[1])
+local now, ms = 0, 0
+if v then
+"""
+    + LUA_TIME
+    + "end\n"
+    + _LIVE
+    + """
+if not live then
+  if v == '0"""
+    + SEP
+    + """' .. ARGV[1] then return 1 end
+  return 0
+end
+local f = tonumber(ARGV[3])
+"""
+    + _TOMBSTONE
+    + lua_keep("KEYS[3]", "ARGV[3]")
+    + """
+if ARGV[2] ~= '' then
+  local mine = '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[2] .. '"""
+    + keyspace.SEP
+    + """'
+  local rec = redis.pcall('get', KEYS[2])
+  if type(rec) == 'string' and string.sub(rec, 1, #mine) == mine then
+    redis.call('del', KEYS[2])
+  end
+end
 return 1
 """
 )

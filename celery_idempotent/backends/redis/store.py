@@ -9,13 +9,15 @@ is never deserialized.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from celery_idempotent import keyspace
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import errors as redis_errors
+from celery_idempotent.backends.redis import lean as redis_lean
 from celery_idempotent.backends.redis import publish_scripts as redis_publish_scripts
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.backends.redis.locks import RedisLockProvider
@@ -28,13 +30,19 @@ from celery_idempotent.core.exceptions import (
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
 from celery_idempotent.core.validate import check_count, check_duration
 
-__all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore"]
+__all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore", "claims_end_marker"]
 
 log = logging.getLogger("celery_idempotent")
 
 
 def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _seconds_left(pttl: Any) -> float | None:
+    """A PTTL reply as seconds (``None`` for a name without a TTL, or gone: -1, -2)."""
+    value = int(pttl)
+    return value / 1000 if value >= 0 else None
 
 
 class RedisIdempotencyStore:
@@ -92,6 +100,17 @@ class RedisIdempotencyStore:
         self._publish = self.client.register_script(redis_publish_scripts.PUBLISH)
         self._publish_and_push = self.client.register_script(redis_publish_scripts.PUBLISH_AND_PUSH)
         self._drop_queued = self.client.register_script(redis_publish_scripts.DROP_QUEUED)
+        # The claim, commit and publish scripts' transport (see backends/redis/lean.py); None:
+        # through the client (Cluster, a blocking pool, an instrumented client ...).
+        self._lean = redis_lean.lean_for(self.client)
+
+    def run_script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """``script(keys=keys, args=args)`` (a script registered on this store's client), on
+        the lean path when the client can take it: the same reply, the same errors."""
+        lean = self._lean
+        if lean is None:
+            return script(keys=keys, args=args)
+        return lean(script, keys, args)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -260,38 +279,59 @@ class RedisIdempotencyStore:
         publish_ttl: float,
         *,
         push: tuple[str, bytes | str] | None = None,
+        until: str = "completed",
     ) -> PublishDecision:
         """Decide a publish in one round trip (the ``PUBLISH`` script): set the queued marker
         for ``task_id`` and say "publish", or say why not (see :class:`PublishDecision`).
 
         ``push``: ``(list name, message)`` of a broker on this Redis: when the decision is
-        "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``)."""
-        args: list[Any] = [task_id, fingerprint or "", redis_client.ms(publish_ttl)]
+        "publish", the message is ``LPUSH``-ed in the same script (``PUBLISH_AND_PUSH``).
+        ``until``: ``idempotency_publish_until`` (``"started"``: stopped only while queued)."""
+        args: list[Any] = [
+            task_id,
+            fingerprint or "",
+            redis_client.ms(publish_ttl),
+            "started" if until == "started" else "",
+        ]
         with redis_errors.translate_errors(record, "publish check"):
             if push is None:
-                reply = self._publish(keys=[record, lock], args=args)
+                reply = self.run_script(self._publish, [record, lock], args)
             else:
-                reply = self._publish_and_push(keys=[record, lock, push[0]], args=[*args, push[1]])
+                reply = self.run_script(
+                    self._publish_and_push, [record, lock, push[0]], [*args, push[1]]
+                )
         status = int(reply[0])
         if status == 1:
             return PublishDecision("publish")
         if status == 2:
             stored = self.decode(record, reply[1])
-            return PublishDecision("completed", stored.task_id, stored, stored.fingerprint)
+            return PublishDecision(
+                "completed",
+                stored.task_id,
+                stored,
+                stored.fingerprint,
+                state="completed",
+                ttl_left=_seconds_left(reply[2]),
+            )
         if status == 3:
             stored = self.decode_v1(record, reply[1:])
-            return PublishDecision("completed", None, stored, stored.fingerprint)
+            return PublishDecision("completed", None, stored, stored.fingerprint, state="completed")
         if status == 5:
             return PublishDecision("mismatch", _text(reply[1]), None, _text(reply[2]))
         if status == 6:
-            return PublishDecision("queued", _text(reply[1]))
+            return PublishDecision(
+                "queued",
+                _text(reply[1]),
+                state="running" if int(reply[2]) else "queued",
+                ttl_left=_seconds_left(reply[3]),
+            )
         return PublishDecision("publish", unchecked=True)
 
     def drop_queued(self, record: str, task_id: str) -> bool:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
         (committed since, expired, or another call's)."""
         with redis_errors.translate_errors(record, "queued marker delete"):
-            return bool(self._drop_queued(keys=[record], args=[task_id]))
+            return bool(self.run_script(self._drop_queued, [record], [task_id]))
 
     # -- pairing ----------------------------------------------------------------------------
 
@@ -320,6 +360,24 @@ class RedisIdempotencyStore:
         return redis_client.why_not_same_server(self.client, lock_provider.client)
 
 
+#: The task id whose queued marker a claim in this context ends when it takes the lock
+#: (``idempotency_publish_until="started"``; see :func:`claims_end_marker`).
+_claim_ends: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "celery_idempotent_claim_ends", default=None
+)
+
+
+@contextlib.contextmanager
+def claims_end_marker(task_id: str | None) -> Iterator[None]:
+    """Within the block, a claim that takes the lock also deletes ``task_id``'s queued marker,
+    in the same script (the call has started: ``idempotency_publish_until="started"``)."""
+    token = _claim_ends.set(task_id)
+    try:
+        yield
+    finally:
+        _claim_ends.reset(token)
+
+
 class RedisAtomicBackend:
     """Claim (lock + look up) and commit (store + release) as one Lua script each."""
 
@@ -327,19 +385,23 @@ class RedisAtomicBackend:
         self.store = store
         self.locks = locks
         self._claim = store.client.register_script(redis_scripts.CLAIM)
+        self._end = store.client.register_script(redis_scripts.END)
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""
         token = redis_client.new_token(self.locks.owner_id)
         keys = [resource, key, keyspace.fence_name(resource)]
         args: list[Any] = [token, redis_client.ms(ttl)]
+        ends = _claim_ends.get()
+        if ends:
+            args.append(ends)
         acked: Any = None
         with redis_errors.translate_errors(key, "claim"):
             try:
                 if self.store.wait_replicas:
                     reply, acked = self.store.eval_and_wait(self._claim, keys, args)
                 else:
-                    reply = self._claim(keys=keys, args=args)
+                    reply = self.store.run_script(self._claim, keys, args)
             except UnicodeDecodeError as exc:  # only a found record carries a payload
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
@@ -367,14 +429,21 @@ class RedisAtomicBackend:
         return Claim(None, None)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""
-        value = self.store.encode(key, record)
+        """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip).
+        ``ttl == 0``: the ``END`` script (nothing stored, the delivery's queued marker ended)."""
         keys = [lease.resource, key, keyspace.fence_name(lease.resource)]
-        args: list[Any] = [lease.token, redis_client.ms(ttl), value, lease.fencing_token]
+        script = self.store._commit
+        args: list[Any]
+        if ttl:
+            value = self.store.encode(key, record)
+            args = [lease.token, redis_client.ms(ttl), value, lease.fencing_token]
+        else:
+            script = self._end
+            args = [lease.token, record.task_id or "", lease.fencing_token]
         with redis_errors.translate_errors(key, "commit"):
             if not self.store.wait_replicas:
-                return bool(self.store._commit(keys=keys, args=args))
-            reply, acked = self.store.eval_and_wait(self.store._commit, keys, args)
+                return bool(self.store.run_script(script, keys, args))
+            reply, acked = self.store.eval_and_wait(script, keys, args)
         if reply:
             self.store.check_replicated(key, acked, "commit")
         return bool(reply)

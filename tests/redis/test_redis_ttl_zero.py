@@ -1,0 +1,172 @@
+"""The Redis scripts of issue 24's modes: ``END`` (the commit of ``idempotency_ttl=0``) and the
+claim that ends a call's own queued marker (``idempotency_publish_until="started"``), and the
+publish decision's ``state`` / ``ttl_left`` (``DuplicatePublishError``), on a real Redis.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from celery_idempotent import (
+    DistributedIdempotencyGuard,
+    IdempotencyRecord,
+    LockLostError,
+    RedisIdempotencyStore,
+    RedisLockProvider,
+    keyspace,
+)
+from celery_idempotent.backends.redis.store import RedisAtomicBackend, claims_end_marker
+
+pytestmark = pytest.mark.redis
+
+
+def pair(client: redis.Redis, key_prefix: str) -> tuple[RedisIdempotencyStore, RedisLockProvider]:
+    return RedisIdempotencyStore(client), RedisLockProvider(client, key_prefix=key_prefix)
+
+
+def guard_on(
+    client: redis.Redis, key_prefix: str, **options: object
+) -> DistributedIdempotencyGuard:
+    store, provider = pair(client, key_prefix)
+    return DistributedIdempotencyGuard(
+        store=store, lock_provider=provider, key_prefix=key_prefix, **options
+    )
+
+
+def marker(task_id: str, fingerprint: str = "") -> str:
+    return f"{keyspace.QUEUED_HEAD}{task_id}{keyspace.SEP}{fingerprint}"
+
+
+def test_ttl_zero_stores_nothing_and_the_key_runs_again(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    guard = guard_on(redis_client, key_prefix, ttl=0)
+    assert isinstance(guard.backend, RedisAtomicBackend)  # one script per step
+    first = guard.run("k", lambda: "one", task_id="t1")
+    second = guard.run("k", lambda: "two", task_id="t2")
+    assert (first.value, first.replayed, second.value, second.replayed) == (
+        "one",
+        False,
+        "two",
+        False,
+    )
+    assert second.fencing_token > first.fencing_token
+    assert redis_client.get(guard.record_key("k")) is None
+    lock = keyspace.parse_lock(redis_client.get(guard.lock_resource("k")).decode())
+    assert lock.deadline_ms == 0  # a tombstone: free, the fencing token kept
+    assert lock.fencing_token == second.fencing_token
+
+
+def test_end_deletes_the_deliverys_own_marker_only(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    guard = guard_on(redis_client, key_prefix, ttl=0)
+    rkey = guard.record_key("own")
+    redis_client.set(rkey, marker("t-own"), px=60_000)
+    guard.run("own", lambda: 1, task_id="t-own")
+    assert redis_client.get(rkey) is None  # its marker ended with it
+
+    rkey = guard.record_key("other")
+    redis_client.set(rkey, marker("t-queued"), px=60_000)  # another call, queued meanwhile
+    guard.run("other", lambda: 1, task_id="t-running")
+    assert redis_client.get(rkey) == marker("t-queued").encode()
+
+
+def test_end_resent_after_a_lost_reply_reports_success(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    store, provider = pair(redis_client, key_prefix)
+    backend = RedisAtomicBackend(store, provider)
+    resource, rkey = f"{key_prefix}lock:{{r}}", f"{key_prefix}{{r}}"
+    claim = backend.claim(resource, rkey, 10)
+    assert claim.lease is not None
+    record = IdempotencyRecord("v", None, 1.0, claim.lease.fencing_token, "t1")
+    assert backend.commit(claim.lease, rkey, record, 0)
+    assert backend.commit(claim.lease, rkey, record, 0)  # the same END sent again: done
+    assert redis_client.get(rkey) is None
+    # Another holder since: the resent END cannot tell, and says the lease is lost.
+    assert provider.acquire(resource, 10) is not None
+    assert not backend.commit(claim.lease, rkey, record, 0)
+
+
+def test_ttl_zero_lost_lease_raises_with_the_result(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    guard = guard_on(redis_client, key_prefix, ttl=0)
+    resource = guard.lock_resource("lost")
+
+    def body() -> str:
+        redis_client.delete(resource)  # deleted by hand (forget --force)
+        assert RedisLockProvider(redis_client).acquire(resource, 10) is not None
+        return "ran"
+
+    with pytest.raises(LockLostError) as caught:
+        guard.execute("lost", body)
+    assert caught.value.result == "ran"
+
+
+def test_claim_in_started_mode_ends_its_own_marker(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    guard = guard_on(redis_client, key_prefix)
+    rkey = guard.record_key("s")
+    redis_client.set(rkey, marker("t1"), px=60_000)
+    seen: list[bytes | None] = []
+    with claims_end_marker("t1"):
+        guard.run("s", lambda: seen.append(redis_client.get(rkey)), task_id="t1")
+    assert seen == [None]  # gone from the claim on: a publish may queue one more
+
+    redis_client.delete(rkey)
+    redis_client.set(rkey, marker("t-other"), px=60_000)
+    seen.clear()
+    with claims_end_marker("t1"):
+        guard.run("s2", lambda: None, task_id="t1")  # another key: nothing to end
+        guard.run("s", lambda: seen.append(redis_client.get(rkey)), task_id="t1")
+    assert seen == [marker("t-other").encode()]
+    # Outside the block a claim leaves markers alone (idempotency_publish_until="completed").
+    rkey3 = guard.record_key("c")
+    redis_client.set(rkey3, marker("t3"), px=60_000)
+    guard_ttl0 = guard_on(redis_client, key_prefix, ttl=0)
+    seen.clear()
+    guard_ttl0.run("c", lambda: seen.append(redis_client.get(rkey3)), task_id="t3")
+    assert seen == [marker("t3").encode()]  # kept while the body runs: the call is running
+    assert redis_client.get(rkey3) is None  # and ended with it
+
+
+def test_publish_decision_says_state_and_time_left(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    store, provider = pair(redis_client, key_prefix)
+    res, rkey = f"{key_prefix}lock:{{p}}", f"{key_prefix}{{p}}"
+    assert store.check_publish(rkey, res, "t1", None, 30).action == "publish"
+    queued = store.check_publish(rkey, res, "t2", None, 30)
+    assert (queued.action, queued.state, queued.task_id) == ("queued", "queued", "t1")
+    assert queued.ttl_left is not None
+    assert 29 < queued.ttl_left <= 30
+    lease = provider.acquire(res, 10)  # t1's delivery claims: running
+    assert lease is not None
+    running = store.check_publish(rkey, res, "t2", None, 30)
+    assert (running.state, running.task_id) == ("running", "t1")
+    # "started": the running call's marker (here still there: a claim outside the mode) is
+    # read as queued; once it is gone, the publish queues one more and the next is stopped.
+    assert store.check_publish(rkey, res, "t2", None, 30, until="started").state == "queued"
+    redis_client.delete(rkey)
+    assert store.check_publish(rkey, res, "t2", None, 30, until="started").action == "publish"
+    assert keyspace.parse_queued(redis_client.get(rkey)) == ("t2", None)
+    third = store.check_publish(rkey, res, "t3", None, 30, until="started")
+    assert (third.action, third.state, third.task_id) == ("queued", "queued", "t2")
+    # Completed: the record's TTL; "started" publishes past a record (the worker replays).
+    assert provider.release(lease)
+    redis_client.delete(rkey)
+    guard = guard_on(redis_client, key_prefix, ttl=120)
+    guard.run("p2", lambda: 1, task_id="t9")
+    r2 = guard.record_key("p2")
+    done = store.check_publish(r2, guard.lock_resource("p2"), "t10", None, 30)
+    assert (done.action, done.state, done.task_id) == ("completed", "completed", "t9")
+    assert done.ttl_left is not None
+    assert 119 < done.ttl_left <= 120
+    past = store.check_publish(r2, guard.lock_resource("p2"), "t10", None, 30, until="started")
+    assert (past.action, past.unchecked) == ("publish", True)
+    assert redis_client.get(r2) is not None  # the record is not overwritten by a marker
+    assert keyspace.parse_queued(redis_client.get(r2)) is None
