@@ -34,7 +34,9 @@ def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
     assert (first.action, first.unchecked) == ("publish", False)
     assert check(pg_backend, "t-1").action == "publish"  # its own marker: goes through
     again = check(pg_backend, "t-2")
-    assert (again.action, again.task_id) == ("queued", "t-1")
+    assert (again.action, again.task_id, again.state) == ("queued", "t-1", "queued")
+    assert again.ttl_left is not None
+    assert 0 < again.ttl_left <= 60
     other = check(pg_backend, "t-3", fp="fp-other")
     assert (other.action, other.task_id, other.stored_fingerprint) == ("mismatch", "t-1", "fp-1")
     assert check(pg_backend, "t-4", fp=None).action == "queued"  # no fingerprint: no mismatch
@@ -47,14 +49,16 @@ def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
         began = time.monotonic()
         running = check(pg_backend, "t-5")
         assert time.monotonic() - began < pg_backend.lock_timeout
-        assert (running.action, running.task_id) == ("queued", "t-1")
+        assert (running.action, running.task_id, running.state) == ("queued", "t-1", "running")
         record = IdempotencyRecord({"ok": 1}, "fp-1", time.time(), claim.lease.fencing_token)
         assert pg_backend.commit(claim.lease, REC, record, 60)
     except BaseException:
         pg_backend.release(claim.lease)
         raise
     done = check(pg_backend, "t-6")
-    assert done.action == "completed"
+    assert (done.action, done.state) == ("completed", "completed")
+    assert done.ttl_left is not None
+    assert 50 < done.ttl_left <= 60
     assert done.record is not None
     assert done.record.result == {"ok": 1}
     mismatch_done = check(pg_backend, "t-7", fp="fp-other")

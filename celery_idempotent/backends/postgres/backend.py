@@ -321,18 +321,26 @@ class PostgresBackend(PsycopgTransactions):
     ) -> PublishDecision | None:
         decided, written = found[0], int(found[1])
         state, stored_fp, ctype, encoding, data, created_at, fence = found[2:9]
+        left = None if found[9] is None else max(0.0, float(found[9]))
         if decided == "completed":
             stored = decode_row(
                 self.codec, row, (state, stored_fp, ctype, encoding, data, created_at, fence)
             )
-            return PublishDecision("completed", None, stored, stored.fingerprint)
+            return PublishDecision(
+                "completed", None, stored, stored.fingerprint, state="completed", ttl_left=left
+            )
         if decided == "own":
             return PublishDecision("publish")
         if decided == "queued":
             first = bytes(data).decode("utf-8", "replace") if data is not None else None
+            # A claimed marker stops a publish only while its delivery holds the row.
+            running = state == "claimed"
+            shown, ttl = ("running", None) if running else ("queued", left)
             if fingerprint and stored_fp and stored_fp != fingerprint:
-                return PublishDecision("mismatch", first, None, stored_fp)
-            return PublishDecision("queued", first)
+                return PublishDecision(
+                    "mismatch", first, None, stored_fp, state=shown, ttl_left=ttl
+                )
+            return PublishDecision("queued", first, state=shown, ttl_left=ttl)
         if decided == "running":
             return PublishDecision("publish", unchecked=True)
         return PublishDecision("publish") if written else None
