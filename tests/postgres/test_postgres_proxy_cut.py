@@ -63,8 +63,8 @@ def test_cut_mid_body_rolls_back_and_the_next_holder_runs_once(
             first = pg_app.pay.apply_async((order, ROWS, 4.0), queue=queues[0])
             pid_a = int(wait_for(lambda: marks.get(f"{pg_table}:inserted:{order}:1"), 30, what="A"))
             proxy.cut()
-            # Delivered as a duplicate (past the publish-side check, which would answer with
-            # A's result while the server has not yet seen A's socket close).
+            # A duplicate message, as a broker redelivery would bring it (the publish side
+            # would otherwise hand back the first call's result: it is still queued).
             second = pg_app.pay.apply_async(
                 (order, ROWS, 4.0), queue=queues[1], idempotency_on_duplicate_publish="publish"
             )

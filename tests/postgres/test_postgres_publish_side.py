@@ -182,6 +182,14 @@ def test_a_subclass_without_the_statement_leaves_publishes_to_the_guard(pg_backe
     from celery_idempotent.backends.mysql.backend import MySQLBackend
 
     mysql = MySQLBackend("mysql://root@127.0.0.1:3306/none")  # no connection is made
+    assert mysql.checks_publishes() is True  # issue 26: MySQL has its own statements
+    assert publish_checker(mysql) is mysql
+    # A subclass whose SQL has no publish statement leaves publishes to the guard.
+    import types
+
+    mysql.sql = types.SimpleNamespace(  # type: ignore[assignment]
+        **{k: v for k, v in vars(mysql.sql).items() if k != "publish"}
+    )
     assert mysql.checks_publishes() is False
     assert publish_checker(mysql) is None
     assert mysql.queued_marker("idempotency:{t:key:k}") is None
