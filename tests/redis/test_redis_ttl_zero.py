@@ -155,7 +155,7 @@ def test_publish_decision_says_state_and_time_left(
     lease = provider.acquire(res, 10)  # t1's delivery claims: running
     assert lease is not None
     running = store.check_publish(rkey, res, "t2", None, 30)
-    assert (running.state, running.task_id) == ("running", "t1")
+    assert (running.state, running.task_id, running.ttl_left) == ("running", "t1", None)
     # "started": the running call's marker (here still there: a claim outside the mode) is
     # read as queued; once it is gone, the publish queues one more and the next is stopped.
     assert store.check_publish(rkey, res, "t2", None, 30, until="started").state == "queued"
