@@ -218,13 +218,16 @@ class DistributedIdempotencyGuard:
         abort: Any = None,
         fingerprint: str | None = None,
         task_id: str | None = None,
+        ttl: float | None = None,
     ) -> Outcome[T]:
         """Like :meth:`execute`, but says whether the value was replayed (an :class:`Outcome`).
 
         ``fingerprint``, when given, is used as the fingerprint of ``input`` instead of calling
         ``fingerprint_fn`` (for a caller that has computed it already). ``task_id`` is stored
-        with the result (``IdempotencyRecord.task_id``).
+        with the result (``IdempotencyRecord.task_id``). ``ttl``: this call's record TTL in
+        seconds, instead of the guard's (a per-call ``idempotency_ttl``).
         """
+        record_ttl = self.ttl if ttl is None else check_duration("ttl", ttl)
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
         if not key:
@@ -261,7 +264,7 @@ class DistributedIdempotencyGuard:
                 rkey,
                 lease,
                 new,
-                ttl=self.ttl,
+                ttl=record_ttl,
                 lock_ttl=self.lock_ttl,
                 sleep=self._sleep,
                 kept=kept,

@@ -100,6 +100,7 @@ class RedisIdempotencyStore:
         self._publish = self.client.register_script(redis_publish_scripts.PUBLISH)
         self._publish_and_push = self.client.register_script(redis_publish_scripts.PUBLISH_AND_PUSH)
         self._drop_queued = self.client.register_script(redis_publish_scripts.DROP_QUEUED)
+        self._requeue_marker = self.client.register_script(redis_publish_scripts.REQUEUE_MARKER)
         # The claim, commit and publish scripts' transport (see backends/redis/lean.py); None:
         # through the client (Cluster, a blocking pool, an instrumented client ...).
         self._lean = redis_lean.lean_for(self.client)
@@ -327,11 +328,21 @@ class RedisIdempotencyStore:
             )
         return PublishDecision("publish", unchecked=True)
 
-    def drop_queued(self, record: str, task_id: str) -> bool:
+    def drop_queued(self, record: str, task_id: str, *, lock: str | None = None) -> bool:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
-        (committed since, expired, or another call's)."""
+        (committed since, expired, or another call's). With ``lock`` (the key's lock name), a
+        marker that a delivery claimed is kept while that delivery's lease is valid."""
+        keys = [record] if lock is None else [record, lock]
         with redis_errors.translate_errors(record, "queued marker delete"):
-            return bool(self.run_script(self._drop_queued, [record], [task_id]))
+            return bool(self.run_script(self._drop_queued, keys, [task_id]))
+
+    def requeue_marker(self, record: str, task_id: str, publish_ttl: float) -> bool:
+        """Put ``task_id``'s claimed marker back to queued (state ``r``) for ``publish_ttl``
+        seconds: its message went back to the queue (a published retry, a requeue). Called
+        by the claiming delivery while its lease is valid. ``False``: no such marker."""
+        args: list[Any] = [task_id, redis_client.ms(publish_ttl)]
+        with redis_errors.translate_errors(record, "queued marker requeue"):
+            return bool(self.run_script(self._requeue_marker, [record], args))
 
     # -- pairing ----------------------------------------------------------------------------
 
