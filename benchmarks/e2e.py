@@ -19,6 +19,7 @@ shared server (``--redis-url``) everybody's load is in it; the private server ha
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import statistics
 import subprocess
@@ -47,6 +48,28 @@ def _env(url: str, queue: str, prefix: str) -> dict[str, str]:
     return env
 
 
+#: The CPU-bound neighbour of the loaded variant: a pure-Python loop, one process per core.
+NEIGHBOUR = "while True: pass"
+
+
+@contextlib.contextmanager
+def neighbours(count: int) -> Any:
+    """``count`` CPU-bound processes on this machine's cores for the duration of the block
+    (the condition of a busy worker host: the worker, Redis and the producer compete with
+    them for the CPU), stopped and reaped afterwards whatever happens."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.DEVNULL)
+        for _ in range(count)
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(10)
+
+
 def run(
     url: str,
     prefix: str,
@@ -55,15 +78,23 @@ def run(
     tasks: int,
     pool: str = "prefork",
     concurrency: int = 2,
+    load: int = 0,
 ) -> dict[str, Any]:
+    """The end-to-end case; ``load``: CPU-bound neighbours running meanwhile (0: none)."""
     queue = prefix.rstrip(":").replace(":", ".")
+    if load:
+        # Its own queue and keys: the quiet run's leftovers cannot be taken for this one's.
+        queue += ".loaded"
+        prefix = f"{prefix}loaded:"
     env = _env(url, queue, prefix)
     # The app module reads its configuration from the environment at import.
     os.environ.update(
         {k: env[k] for k in ("CI_BENCH_REDIS_URL", "CI_BENCH_QUEUE", "CI_BENCH_PREFIX")}
     )
     sys.modules.pop("benchmarks.e2e_app", None)
-    from benchmarks import e2e_app
+    # Not "from benchmarks import e2e_app": that finds the package's attribute, the module of
+    # an earlier run (its queue, its closed app), and imports nothing.
+    e2e_app: Any = importlib.import_module("benchmarks.e2e_app")
 
     if e2e_app.IdempotentTask is None:
         return {"skipped": "celery_idempotent.celery.task is not importable"}
@@ -80,9 +111,10 @@ def run(
 
         server = redis.Redis.from_url(url)
         try:
-            seconds, counts, blocks = _measure(
-                e2e_app, worker, rounds, tasks, concurrency, server_cpu=server_cpu(server)
-            )
+            with neighbours(load) if load else contextlib.nullcontext():
+                seconds, counts, blocks = _measure(
+                    e2e_app, worker, rounds, tasks, concurrency, server_cpu=server_cpu(server)
+                )
         except BaseException:
             log.seek(0)
             tail = log.read()[-4000:].decode("utf-8", "replace")
@@ -128,6 +160,7 @@ def run(
         ),
         "pool": pool,
         "concurrency": concurrency,
+        "neighbours": load,
         "rounds": rounds,
         "tasks_per_block": tasks,
         "tasks_per_second": {k: round(v, 1) for k, v in tps.items()},

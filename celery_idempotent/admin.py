@@ -73,6 +73,11 @@ class IdempotencyStatus:
     the record (completed), of the lease (running) or of the marker (queued). ``fencing_token``
     is the record's, or the running lease's; ``fingerprint`` the one stored with the result
     (``None``: stored without one). ``holder`` is the owner id of a running lease.
+
+    For a queued key, ``age`` is seconds since the call was published (by the server's clock,
+    where the marker says) and ``claimed`` whether a delivery ever claimed it (``False``: no
+    worker has received the message yet, or the broker lost it); ``None`` otherwise. A marker
+    whose delivery ended without a commit stands for nothing: the key reads ``absent``.
     """
 
     key: str
@@ -83,6 +88,7 @@ class IdempotencyStatus:
     fencing_token: int | None = None
     fingerprint: str | None = None
     holder: str | None = None
+    claimed: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,12 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
         )
     if info.queued_task_id is not None:
         return IdempotencyStatus(
-            key=info.key, state="queued", task_id=info.queued_task_id, ttl=info.queued_ttl
+            key=info.key,
+            state="queued",
+            task_id=info.queued_task_id,
+            age=info.queued_age(now),
+            ttl=info.queued_ttl,
+            claimed=info.queued_claimed,
         )
     return IdempotencyStatus(key=info.key, state="absent")
 
@@ -165,7 +176,7 @@ def forget_plan(info: KeyInfo, *, force: bool, include_fences: bool = False) -> 
     """The Redis names :func:`forget_key` deletes for ``info``; raises
     :class:`IdempotencyKeyHeldError` for a held lock without ``force``."""
     plan: list[str] = []
-    if info.record is not None or info.queued_task_id is not None:
+    if info.record is not None or info.queued_task_id is not None or info.dead_marker_task_id:
         plan.append(info.record_name)
     if info.lock_token is not None:
         if not force:
@@ -199,7 +210,8 @@ def forget_key(
         ],
     )
     deleted: list[str] = []
-    if (info.record is not None or info.queued_task_id is not None) and gone_record:
+    marked = info.queued_task_id is not None or info.dead_marker_task_id is not None
+    if (info.record is not None or marked) and gone_record:
         deleted.append(info.record_name)
     if info.lock_token is not None and gone_lock:
         deleted.append(info.lock_name)

@@ -31,7 +31,8 @@ The record (layout v2)
 ----------------------
 One string, ``2|<fencing token>|<created at>|<serializer>|<fingerprint>|<task id>|<payload>``;
 before its body has run, a call published through ``apply_async`` leaves a queued marker
-``q|<task id>|<fingerprint>`` under the same name; 0.1.0 kept a hash (layout v1). Their
+``q|<task id>|<fingerprint>|<published at>|<state>`` under the same name (its state says
+whether a delivery claimed it, whose lease it then lives by); 0.1.0 kept a hash (layout v1). Their
 encoding and decoding are in ``celery_idempotent.backends.redis.layout``, whose names this module
 re-exports (``encode_record``, ``decode_record``, ``RECORD_HEAD``...).
 
@@ -85,6 +86,10 @@ from typing import NamedTuple
 from celery_idempotent.backends.redis.layout import (
     DEFAULT_SERIALIZER,
     EXACT_AT,
+    MARKER_CLAIMED,
+    MARKER_QUEUED,
+    MARKER_REQUEUED,
+    MARKER_STATES,
     QUEUED_HEAD,
     RECORD_FIELDS,
     RECORD_HEAD,
@@ -93,11 +98,13 @@ from celery_idempotent.backends.redis.layout import (
     V1_RECORD_FIELDS,
     V1_VERSION,
     DecodedRecord,
+    Marker,
     can_mark,
     decode_record,
     decode_v1_record,
     encode_record,
     lua_list,
+    parse_marker,
     parse_queued,
     queued_value,
     record_head,
@@ -110,6 +117,10 @@ __all__ = [
     "KINDS",
     "KIND_MARKERS",
     "LOCK_SEP",
+    "MARKER_CLAIMED",
+    "MARKER_QUEUED",
+    "MARKER_REQUEUED",
+    "MARKER_STATES",
     "MAX_READABLE_KEY",
     "QUEUED_HEAD",
     "RECORD_FIELDS",
@@ -121,6 +132,7 @@ __all__ = [
     "V1_VERSION",
     "DecodedRecord",
     "LockState",
+    "Marker",
     "can_mark",
     "decode_record",
     "decode_v1_record",
@@ -132,6 +144,7 @@ __all__ = [
     "lua_list",
     "parse_lock",
     "parse_lock_value",
+    "parse_marker",
     "parse_name",
     "parse_queued",
     "parse_task_key",

@@ -136,8 +136,10 @@ class IdempotencySettings:
     #: ``"raise"`` (``DuplicatePublishError``) or ``"publish"`` (publish anyway; the worker
     #: replays). Calls with links, chains, groups and chords always publish.
     idempotency_on_duplicate_publish: str = setting("existing", one_of(DUPLICATE_PUBLISH_POLICIES))
-    #: seconds a "queued" marker set at publish lives at most: a message the broker lost
-    #: blocks its key's publishes for no longer than this.
+    #: seconds a "queued" marker set at publish lives at most (counted from the message's due
+    #: time for a ``countdown``/``eta``): a message no worker ever claims (lost by the broker)
+    #: blocks its key's publishes for no longer than this. Once a delivery claims the key, the
+    #: marker lives only as long as that delivery's lease (on Redis).
     idempotency_publish_ttl: float = setting(3600, check_duration)
     #: how long a published call stops a duplicate publish: ``"completed"`` (while it is
     #: queued, running or completed) or ``"started"`` (only while it is queued: its delivery's

@@ -7,13 +7,16 @@ import contextlib
 import contextvars
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_idempotent import signals
 from celery_idempotent.backends.redis.store import RedisAtomicBackend, claims_end_marker
-from celery_idempotent.celery.publish import drop_queued_marker
+from celery_idempotent.celery import keys as task_keys
+from celery_idempotent.celery.factory import factory
+from celery_idempotent.celery.publish import drop_queued_marker, requeue_marker
 from celery_idempotent.celery.requeue import on_locked, requeue, wait_in_place
 from celery_idempotent.celery.results import (
     as_delivered,
@@ -23,12 +26,18 @@ from celery_idempotent.celery.results import (
 )
 from celery_idempotent.core.exceptions import (
     IdempotencyConnectionError,
+    IdempotencyKeyMissingError,
     IdempotencyMismatchError,
     LockAcquisitionError,
     LockLostError,
 )
 from celery_idempotent.core.fingerprint import key_digest
-from celery_idempotent.core.guard import ABSENT, DistributedIdempotencyGuard, Outcome
+from celery_idempotent.core.guard import (
+    ABSENT,
+    DistributedIdempotencyGuard,
+    Outcome,
+    current_lease,
+)
 from celery_idempotent.core.two_step import TwoStepBackend
 from celery_idempotent.settings import never_stored
 
@@ -37,27 +46,56 @@ if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
     from celery_idempotent.settings import IdempotencySettings
 
-__all__ = ["run", "running_guard"]
+__all__ = ["hand_over", "on_revoked", "run", "running_guard"]
 
 log = logging.getLogger("celery_idempotent")
 
-# (guard, task name, task id) of the guarded body running in this context: retry() releases
-# the lease only when it is called by that very delivery, not by a task called directly inside.
-_running: contextvars.ContextVar[tuple[DistributedIdempotencyGuard, str, Any] | None] = (
-    contextvars.ContextVar("celery_idempotent_guard", default=None)
-)
 
-#: Exceptions that are Celery's control flow, not a body failing.
-_CONTROL_FLOW = (Retry, Ignore, Reject)
+class _Running(NamedTuple):
+    """The guarded body running in a context: its guard, task name, task id, key and settings.
+    ``retry()`` hands the lease over only when called by that very delivery, not by a task
+    called directly inside it."""
+
+    guard: DistributedIdempotencyGuard
+    name: str
+    task_id: Any
+    key: str
+    cfg: IdempotencySettings
+
+
+_running: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
+    "celery_idempotent_guard", default=None
+)
 
 
 def running_guard(task: IdempotentTask) -> DistributedIdempotencyGuard | None:
     """The guard of ``task``'s delivery whose body runs in this context, else ``None`` (also
     for another task, or this task called directly inside that body)."""
+    running = _running_of(task)
+    return None if running is None else running.guard
+
+
+def _running_of(task: IdempotentTask) -> _Running | None:
     running = _running.get()
-    if running is None or running[1:] != (task.name, task.request.id):
+    if running is None or (running.name, running.task_id) != (task.name, task.request.id):
         return None
-    return running[0]
+    return running
+
+
+def hand_over(task: IdempotentTask) -> None:
+    """Celery has published this delivery's retry message (same task id): put its queued
+    marker back to queued (it names the retry now, for ``idempotency_publish_ttl``), then give
+    up the lease, so that the retry can claim the key. Called from ``apply_async`` of the retry
+    (SPEC §8: the lease is kept until then; a refused retry publishes nothing and keeps it)."""
+    running = _running_of(task)
+    lease = current_lease()
+    if running is None or lease is None:
+        return
+    requeue_marker(task, running.guard, running.key, running.cfg)
+    try:
+        running.guard.lock_provider.release(lease)
+    except Exception as exc:  # the lease expires by itself within lock_ttl
+        log.warning("could not release the lock after the retry of %s: %r", task.name, exc)
 
 
 def run(
@@ -74,7 +112,7 @@ def run(
     task's body, at most once per key. Returns (or raises) what Celery hands on: the value,
     a stored failure raised again, for an eager caller the value as a replay gets it. A held
     key follows ``idempotency_on_locked`` (a re-queue raises ``Retry``)."""
-    body = _Body(call_body, task, cfg.idempotency_store_errors)
+    body = _Body(call_body, task, cfg, guard, prepared.key)
     started_ends = cfg.idempotency_publish_until == "started" and task.request.id is not None
     claims: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if started_ends and isinstance(guard.backend, RedisAtomicBackend):
@@ -83,11 +121,17 @@ def run(
     elif started_ends and apart(guard):
         # A lock and store that claim apart: the marker ends as the body starts.
         body.on_start = lambda: drop_queued_marker(task, guard, prepared.key)
-    token = _running.set((guard, task.name, task.request.id))
+    token = _running.set(_Running(guard, task.name, task.request.id, prepared.key, cfg))
     try:
         with claims:
             outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
-    except _CONTROL_FLOW:
+    except Retry:
+        raise
+    except (Ignore, Reject) as exc:
+        # Ignore, Reject(requeue=False) from the body: the message will not run, its marker
+        # ends now (SPEC §8). Reject(requeue=True) put the marker back to queued (in _Body).
+        if body.started and not _requeued(task, exc):
+            drop_queued_marker(task, guard, prepared.key)
         raise
     except BaseException as exc:
         _signal_failure(task, prepared.key, exc, where="worker")
@@ -130,11 +174,16 @@ class _Body:
         self,
         call_body: Callable[[], Any],
         task: IdempotentTask,
-        store_errors: tuple[type[BaseException], ...],
+        cfg: IdempotencySettings,
+        guard: DistributedIdempotencyGuard,
+        key: str,
     ) -> None:
         self.call_body = call_body
         self.task = task
-        self.store_errors = store_errors
+        self.cfg = cfg
+        self.guard = guard
+        self.key = key
+        self.store_errors = cfg.idempotency_store_errors
         self.started = False
         self.failed: BaseException | None = None
         #: Called as the body starts (before it runs).
@@ -144,15 +193,29 @@ class _Body:
         self.started = True
         if self.on_start is not None:
             self.on_start()
-        if not self.store_errors:
-            return self.call_body()
         try:
-            return self.call_body()
-        except self.store_errors as exc:
-            if isinstance(exc, never_stored()):
-                raise
-            self.failed = exc
-            return failure_envelope(self.task, exc)
+            if not self.store_errors:
+                return self.call_body()
+            try:
+                return self.call_body()
+            except self.store_errors as exc:
+                if isinstance(exc, never_stored()):
+                    raise
+                self.failed = exc
+                return failure_envelope(self.task, exc)
+        except Reject as exc:
+            if _requeued(self.task, exc):
+                # The message goes back to the queue: its marker is queued again, set while
+                # this delivery still holds the lease (no publish sees it dead in between).
+                requeue_marker(self.task, self.guard, self.key, self.cfg)
+            raise
+
+
+def _requeued(task: IdempotentTask, exc: BaseException) -> bool:
+    """Whether ``exc`` sends the delivery's message back to the queue: ``Reject(requeue=True)``
+    of a late-acked task. (Acked early, the message is acknowledged already: Celery's reject
+    does nothing and the message is gone, so its marker ends like an ``Ignore``'s.)"""
+    return isinstance(exc, Reject) and bool(exc.requeue) and bool(getattr(task, "acks_late", False))
 
 
 def _outcome(
@@ -178,6 +241,7 @@ def _outcome(
                 input=payload if fingerprint is not None else ABSENT,
                 fingerprint=fingerprint,
                 task_id=None if request.id is None else str(request.id),
+                ttl=None if cfg.idempotency_ttl == guard.ttl else cfg.idempotency_ttl,
             )
         except LockAcquisitionError as exc:
             log.info(
@@ -249,3 +313,62 @@ def _handed_on(
             outcome.fencing_token,
         )
     return outcome.value
+
+
+def on_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    """Celery's ``task_revoked``: a worker discarded a message (revoked, or past its
+    ``expires``) or terminated its body. The message will not run: its queued marker ends
+    now, unless a delivery that claimed it still holds a valid lease (a terminated body's
+    lease runs out within ``lock_ttl``, and the marker with it). SPEC §8."""
+    from celery_idempotent.celery.task import IdempotentTask  # noqa: PLC0415 - a cycle
+
+    if not isinstance(sender, IdempotentTask) or request is None:
+        return
+    task_id = getattr(request, "id", None)
+    if task_id is None:
+        return
+    try:
+        cfg = sender.idempotency_settings()
+        if not cfg.idempotency_enabled or cfg.in_memory:
+            return
+        prepared = _prepared_of(sender, cfg, request)
+        if prepared is None:
+            return
+        guard = factory.guard(sender, cfg)
+        drop_queued_marker(sender, guard, prepared.key, task_id, unless_running=True)
+    except Exception as exc:  # a claimed marker ends with its lease; else publish_ttl
+        log.warning(
+            "could not end the queued marker of revoked %s[%s]: %r", sender.name, task_id, exc
+        )
+    else:
+        log.debug(
+            "%s[%s] %s: its queued marker ended",
+            sender.name,
+            task_id,
+            "terminated" if terminated else "expired" if expired else "revoked",
+        )
+
+
+def _prepared_of(task: IdempotentTask, cfg: IdempotencySettings, request: Any) -> Any:
+    """The key of the call in a worker's ``request`` (a Celery ``Context``), as its delivery
+    would derive it: from the arguments it carries, the request pushed for the headers."""
+    args = tuple(getattr(request, "args", None) or ())
+    kwargs = dict(getattr(request, "kwargs", None) or {})
+    task.push_request(dict(vars(request), is_eager=False))
+    try:
+        return task_keys.prepare_call(task, cfg, args, kwargs)
+    except (TypeError, ValueError, IdempotencyKeyMissingError):
+        return None
+    finally:
+        task.pop_request()
+
+
+celery_signals.task_revoked.connect(
+    on_revoked, weak=False, dispatch_uid="celery_idempotent.on_revoked"
+)

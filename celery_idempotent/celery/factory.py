@@ -89,7 +89,7 @@ class GuardFactory:
             retry_base_delay=cfg.idempotency_retry_base_delay,
             retry_max_delay=MAX_REQUEUE_DELAY,
             key_prefix=cfg.idempotency_key_prefix,
-            on_event=lambda event: _send_signal(task, event),
+            on_event=_SignalSender(task),
         )
         with self._lock:
             entry = self._guards.get(ident)
@@ -179,6 +179,26 @@ _SIGNALS = {
     "committed": signals.idempotency_committed,
     "lease_lost": signals.idempotency_lease_lost,
 }
+
+
+class _SignalSender:
+    """A guard's ``on_event``: its events as the task's signals, sent for the delivery running
+    now; ``wants`` lets the guard skip building an event whose signal has no receiver."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: IdempotentTask) -> None:
+        self.task = task
+
+    @staticmethod
+    def wants(kind: str) -> bool:
+        signal = _SIGNALS.get(kind)
+        # Celery's Signal.send does nothing without receivers (a dead weak reference still
+        # counts here: the event is built and send() finds nobody, as before).
+        return signal is None or bool(signal.receivers)
+
+    def __call__(self, event: GuardEvent) -> None:
+        _send_signal(self.task, event)
 
 
 def _send_signal(task: IdempotentTask, event: GuardEvent) -> None:

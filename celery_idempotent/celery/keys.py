@@ -211,9 +211,26 @@ def key_for(
         key = task_key(namespace, "id", str(request.id))
     else:
         key = _derived_key(task, cfg, args, kwargs, payload=payload, fingerprint=fingerprint)
-    if cfg.idempotency_window is None:
-        return key
-    return keyspace.with_slot(key, slot_of_request(request, cfg.idempotency_window))
+    window = cfg.idempotency_window
+    if window is None:
+        window = _call_window(task, request)
+        if window is None:
+            return key
+    return keyspace.with_slot(key, slot_of_request(request, window))
+
+
+def _call_window(task: IdempotentTask, request: Any) -> float | None:
+    """A per-call ``idempotency_window`` carried with the message (``apply_async(...,
+    idempotency_window=...)``), else ``None``."""
+    from celery_idempotent.celery import call_options  # noqa: PLC0415 - rare: per-call options
+
+    headers = getattr(request, "headers", None)
+    if not (isinstance(headers, dict) and call_options.CALL_OPTIONS_HEADER in headers) and (
+        getattr(request, call_options.CALL_OPTIONS_HEADER, None) is None
+    ):
+        return None
+    window: float | None = call_options.from_request(task.name, request).get("idempotency_window")
+    return window
 
 
 def slot_of_request(request: Any, window: float) -> str:

@@ -27,10 +27,11 @@ from celery.utils import uuid
 from celery_idempotent import keyspace, signals
 from celery_idempotent.backends.redis import publish as publish_redis
 from celery_idempotent.backends.redis.store import RedisIdempotencyStore
+from celery_idempotent.celery import call_options
 from celery_idempotent.celery.checks import _checked as checked_apps
 from celery_idempotent.celery.checks import at_first_publish
 from celery_idempotent.celery.factory import factory
-from celery_idempotent.celery.keys import SLOT_HEADER, prepare_call, received_or_none
+from celery_idempotent.celery.keys import SLOT_HEADER, eta_seconds, prepare_call, received_or_none
 from celery_idempotent.celery.requeue import REQUEUE_HEADER
 from celery_idempotent.celery.results import failure_from, is_failure_envelope
 from celery_idempotent.core.exceptions import (
@@ -42,13 +43,13 @@ from celery_idempotent.core.exceptions import (
 )
 from celery_idempotent.core.fingerprint import key_digest
 from celery_idempotent.core.protocols import ChecksPublishes, PublishDecision
-from celery_idempotent.settings import DUPLICATE_PUBLISH_POLICIES
 
 if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
     from celery_idempotent.core.guard import DistributedIdempotencyGuard
+    from celery_idempotent.settings import IdempotencySettings
 
-__all__ = ["drop_queued_marker", "publish", "publish_checker"]
+__all__ = ["drop_queued_marker", "publish", "publish_checker", "requeue_marker"]
 
 log = logging.getLogger("celery_idempotent")
 
@@ -100,16 +101,15 @@ def publish(
     if task.app not in checked_apps:
         at_first_publish(task.app)
     options = dict(options)
-    policy = options.pop("idempotency_on_duplicate_publish", None)
-    if policy is not None and policy not in DUPLICATE_PUBLISH_POLICIES:
-        raise ValueError(
-            "idempotency_on_duplicate_publish must be one of "
-            f"{', '.join(DUPLICATE_PUBLISH_POLICIES)}, got {policy!r}"
-        )
-    if policy is not None:
-        options["_idempotency_policy"] = policy
+    # Every idempotency_* option of this call: taken (checked) or a TypeError naming it.
+    call = call_options.take(task.name, options)
+    sent = call_options.carried(call)
+    if sent:  # the worker uses the same values (and retries and redeliveries keep them)
+        headers = dict(options.get("headers") or {})
+        headers[call_options.CALL_OPTIONS_HEADER] = sent
+        options["headers"] = headers
     plan = _plan_publish(
-        task, args, kwargs, task_id, link=link, link_error=link_error, options=options
+        task, args, kwargs, task_id, link=link, link_error=link_error, options=options, call=call
     )
     if plan.result is not None:
         return plan.result
@@ -281,20 +281,23 @@ def _plan_publish(
     link: Any,
     link_error: Any,
     options: dict[str, Any],
+    call: dict[str, Any] | None = None,
 ) -> _PublishPlan:
     """Decide a publish: publish (with or without a marker) or return a result object.
-    Fills ``options['headers']`` with the schedule slot when there is a window."""
+    Fills ``options['headers']`` with the schedule slot when there is a window. ``call``: the
+    call's own ``idempotency_*`` options (checked)."""
     try:
-        cfg = task.idempotency_settings()
+        base = task.idempotency_settings()
     except (TypeError, ValueError):  # reported at worker start and when the task runs
         return _PublishPlan()
+    cfg = call_options.with_call_options(base, call or {})
     if not cfg.idempotency_enabled:
         return _PublishPlan()
     headers = dict(options.get("headers") or {})
     if cfg.idempotency_window is not None and SLOT_HEADER not in headers:
         headers[SLOT_HEADER] = keyspace.slot_for(time.time(), cfg.idempotency_window)
         options["headers"] = headers
-    policy = options.pop("_idempotency_policy", None) or cfg.idempotency_on_duplicate_publish
+    policy = cfg.idempotency_on_duplicate_publish
     if (
         policy == "publish"
         or cfg.in_memory
@@ -326,7 +329,7 @@ def _plan_publish(
     if prepared is None:
         return _PublishPlan(task_id=task_id)
     key, _, fingerprint = prepared
-    guard = factory.guard(task, cfg)
+    guard = factory.guard(task, base)
     if cfg.idempotency_publish_until == "started" and not isinstance(
         guard.store, RedisIdempotencyStore
     ):
@@ -345,11 +348,22 @@ def _plan_publish(
         guard.lock_resource(key),
         key,
         fingerprint,
-        cfg.idempotency_publish_ttl,
+        # A message with a countdown or ETA is delivered that much later: its marker waits
+        # for it as long as for a message delivered at once.
+        cfg.idempotency_publish_ttl + _delay_of(options),
         policy,
         cfg.idempotency_publish_until,
     )
     return _PublishPlan(task_id=task_id, check=check)
+
+
+def _delay_of(options: dict[str, Any]) -> float:
+    """Seconds until a message published with ``options`` is due (countdown, ETA), or 0."""
+    countdown = options.get("countdown")
+    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool) and countdown > 0:
+        return float(countdown)
+    eta = eta_seconds(options.get("eta"))
+    return max(0.0, eta - time.time()) if eta is not None else 0.0
 
 
 def publish_checker(store: Any) -> ChecksPublishes | None:
@@ -398,13 +412,45 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
     return EagerResult(result_id, record.result, states.SUCCESS)
 
 
-def drop_queued_marker(task: IdempotentTask, guard: DistributedIdempotencyGuard, key: str) -> None:
-    """End the queued marker of the delivery running now (its body failed for good)."""
+def drop_queued_marker(
+    task: IdempotentTask,
+    guard: DistributedIdempotencyGuard,
+    key: str,
+    task_id: Any = None,
+    *,
+    unless_running: bool = False,
+) -> None:
+    """End the queued marker of ``task_id`` (default: the delivery running now), whose message
+    will not run: its body failed for good, raised ``Ignore`` or ``Reject(requeue=False)``, or
+    a worker discarded it (revoked, expired). ``unless_running``: keep a marker that a
+    delivery claimed while that delivery's lease is valid (Redis)."""
     store = publish_checker(guard.store)
-    task_id = task.request.id
+    task_id = task.request.id if task_id is None else task_id
     if store is None or task_id is None:
         return
     try:
-        store.drop_queued(guard.record_key(key), str(task_id))
-    except Exception as exc:  # it expires after idempotency_publish_ttl anyway
+        if isinstance(store, RedisIdempotencyStore):
+            lock = guard.lock_resource(key) if unless_running else None
+            store.drop_queued(guard.record_key(key), str(task_id), lock=lock)
+        else:
+            store.drop_queued(guard.record_key(key), str(task_id))
+    except Exception as exc:  # a claimed marker is dead with its lease; else publish_ttl
         log.warning("could not end the queued marker of %s[%s]: %r", task.name, task_id, exc)
+
+
+def requeue_marker(
+    task: IdempotentTask, guard: DistributedIdempotencyGuard, key: str, cfg: IdempotencySettings
+) -> None:
+    """The running delivery's message went back to the queue (a published retry,
+    ``Reject(requeue=True)``): its claimed marker is queued again, for
+    ``idempotency_publish_ttl`` (SPEC §8: a re-submission gets the queued call). A store
+    without markers that live by their lease (no ``requeue_marker``) has nothing to do."""
+    store = guard.store
+    task_id = task.request.id
+    requeue = getattr(store, "requeue_marker", None)
+    if not callable(requeue) or task_id is None:
+        return
+    try:
+        requeue(guard.record_key(key), str(task_id), cfg.idempotency_publish_ttl)
+    except Exception as exc:  # the key is then free once the lease ends: an extra message
+        log.warning("could not re-queue the marker of %s[%s]: %r", task.name, task_id, exc)

@@ -12,6 +12,7 @@ This module is the Celery adapter only; the work is done by:
 - ``publish.py``: duplicates stopped at ``apply_async``;
 - ``delivery.py``: one delivery run through the guard, its outcome handed back to Celery;
 - ``requeue.py``: ``idempotency_on_locked`` and the re-queue of a duplicate;
+- ``request.py``: the worker's ``Request``: a rejected duplicate records nothing;
 - ``results.py``: the result serializer and the stored-failure envelope;
 - ``worker_start.py``: the checks a worker runs when it starts (connected on import of this
   module).
@@ -19,6 +20,7 @@ This module is the Celery adapter only; the work is done by:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +32,7 @@ from celery._state import _task_stack
 from celery_idempotent import admin
 from celery_idempotent.admin import Forgotten, IdempotencyStatus
 from celery_idempotent.backends.redis.store import RedisIdempotencyStore
-from celery_idempotent.celery import delivery
+from celery_idempotent.celery import call_options, delivery
 from celery_idempotent.celery import keys as task_keys
 from celery_idempotent.celery.factory import factory, reset_backends
 from celery_idempotent.celery.keys import KEY_HEADER, SLOT_HEADER
@@ -50,7 +52,7 @@ from celery_idempotent.celery.worker_start import (
     check_namespaces,
     check_pool,
 )
-from celery_idempotent.core.guard import DistributedIdempotencyGuard, current_lease
+from celery_idempotent.core.guard import DistributedIdempotencyGuard
 from celery_idempotent.settings import IdempotencySettings, resolve, task_option_defaults
 
 __all__ = [
@@ -75,6 +77,12 @@ log = logging.getLogger("celery_idempotent")
 
 #: Set on the request of a delivery while IdempotentTask.__call__ handles it.
 _GUARDED = "_idempotency_guarded"
+
+#: (task name, task id) of the delivery whose ``retry()`` runs in this context: its
+#: ``apply_async`` of that task id is the retry message.
+_retrying: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar(
+    "celery_idempotent_retrying", default=None
+)
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -132,7 +140,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 )
             else:
                 key_args, key_kwargs = args, kwargs
-            prepared = task_keys.prepare_call(self, cfg, key_args, key_kwargs)
+            # The call's own idempotency_* options, carried with its message (apply_async).
+            call_cfg = call_options.with_call_options(
+                cfg, call_options.from_request(self.name, request)
+            )
+            prepared = task_keys.prepare_call(self, call_cfg, key_args, key_kwargs)
             if prepared is None:  # no key, idempotency_missing_key="run"
                 return super().__call__(*args, **kwargs)
             guard = factory.guard(self, cfg)
@@ -140,7 +152,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
                 body = functools.partial(self._run_body, self.run, args, kwargs)
             else:
                 body = functools.partial(super().__call__, *args, **kwargs)
-            return delivery.run(self, cfg, guard, prepared, body, args=args, kwargs=kwargs)
+            return delivery.run(self, call_cfg, guard, prepared, body, args=args, kwargs=kwargs)
         finally:
             setattr(request, _GUARDED, False)
 
@@ -188,7 +200,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``link_error``, or part of a chain, group or chord, eager calls, memory:// backends.
         ``app.send_task`` does not come through here.
         """
-        return publish(
+        retrying = _retrying.get()
+        result = publish(
             self,
             args,
             kwargs,
@@ -201,21 +214,31 @@ class IdempotentTask(Task):  # type: ignore[misc]
             ),
             producer=producer,
         )
+        if retrying is not None and retrying == (self.name, task_id):
+            # The retry message of the delivery running now is published: only now does the
+            # delivery give up its lease (and its marker names the retry, queued again).
+            _retrying.set(None)
+            delivery.hand_over(self)
+        return result
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, after releasing this delivery's lock.
+        """Celery's ``retry``; this delivery keeps its lease until the retry is published.
 
-        ``Task.retry`` publishes the retry message before it raises ``Retry``; with a
-        concurrent pool the retry could otherwise arrive while the lock is still held.
+        ``Task.retry`` publishes the retry message (same task id) and then raises ``Retry``:
+        the lease is given up, and the key's queued marker handed to the retry, right after
+        that publish (in ``apply_async``), so that the retry can claim the key at once. A retry
+        that Celery refuses (``MaxRetriesExceededError``, or ``exc`` raised again, caught or
+        not) publishes nothing: the delivery keeps its lease, and whatever the body then
+        returns or raises ends it as any body's end does (a value is committed).
         """
-        guard = delivery.running_guard(self)
-        lease = current_lease()
-        if guard is not None and lease is not None and not self.request.called_directly:
-            try:
-                guard.lock_provider.release(lease)
-            except Exception as exc:  # the lease expires by itself; retrying matters more
-                log.warning("could not release the lock before retry of %s: %r", self.name, exc)
-        return super().retry(*args, **kwargs)
+        request = self.request
+        if request.called_directly or request.is_eager or delivery.running_guard(self) is None:
+            return super().retry(*args, **kwargs)
+        token = _retrying.set((self.name, request.id))
+        try:
+            return super().retry(*args, **kwargs)
+        finally:
+            _retrying.reset(token)
 
     # -- keys -------------------------------------------------------------------------------
 

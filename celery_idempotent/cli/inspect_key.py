@@ -119,6 +119,11 @@ def _print_key(
     rows: list[tuple[str, str]] = [("key", info.key), ("state", states[info.state])]
     if info.queued_task_id is not None:
         rows.append(("queued as", f"task {info.queued_task_id}"))
+        age = info.queued_age(now)
+        rows.append(("queued for", "-" if age is None else format_duration(age)))
+        rows.append(("marker ttl", format_duration(info.queued_ttl)))
+        claimed = "yes (a delivery claimed it)" if info.queued_claimed else "no delivery yet"
+        rows.append(("claimed", claimed))
     rec = info.record
     if rec is not None:
         rows += [

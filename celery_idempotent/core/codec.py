@@ -46,6 +46,42 @@ def serializer_info(name: str | None) -> SerializerInfo | None:
     return None if codec is None else SerializerInfo(codec.content_type, codec.content_encoding)
 
 
+_JSON = "application/json"
+
+
+def _fast_json() -> tuple[Any, Any]:
+    """(kombu's JSON decoder, one that decodes the same): UTF-8 text, kombu's
+    ``object_hook`` for its registered types, with the decoder object built once where
+    ``kombu.utils.json.loads`` has ``json.loads`` build one per call. Used only while kombu's
+    own is the registered one (an application may register its own JSON serializer)."""
+    import json  # noqa: PLC0415 - with kombu, on first use
+
+    from kombu.utils import json as kombu_json  # noqa: PLC0415
+
+    decode = json.JSONDecoder(object_hook=kombu_json.object_hook).decode
+
+    def loads(data: Any) -> Any:
+        if isinstance(data, memoryview):
+            data = data.tobytes()
+        text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+        if text.startswith("\ufeff"):  # what json.loads refuses before decoding
+            raise ValueError("Unexpected UTF-8 BOM (decode using utf-8-sig)")
+        return decode(text)
+
+    return kombu_json.loads, loads
+
+
+def _fast_json_encoder(encoder: Any) -> Any:
+    """``encoder`` itself, or for kombu's own JSON encoder one that encodes the same with its
+    ``JSONEncoder`` built once (``kombu.utils.json.dumps`` has ``json.dumps`` build one per
+    call, with every option at its default)."""
+    from kombu.utils import json as kombu_json  # noqa: PLC0415 - with kombu, on first use
+
+    if encoder is not kombu_json.dumps:
+        return encoder
+    return kombu_json.JSONEncoder().encode
+
+
 class ResultCodec:
     """Encodes results with ``serializer`` and decodes those whose content type ``accept``
     allows (serializer names or content types; pickle only when named).
@@ -75,7 +111,9 @@ class ResultCodec:
         # call them directly (kombu's dumps/loads add lookups and a generator-based context
         # manager per call; the accept check they would do is done here, before decoding).
         self._codec = registry._encoders[serializer]
+        self._encode = _fast_json_encoder(self._codec.encoder)
         self._decoders = registry._decoders
+        self._json = _fast_json()
         self._kombu = kombu
         self.content_type: str = self._codec.content_type
         self.content_encoding: str = self._codec.content_encoding
@@ -98,7 +136,7 @@ class ResultCodec:
     def dumps(self, key: str, result: Any) -> bytes:
         """``result`` encoded; :class:`ResultEncodeError` when the serializer refuses it."""
         try:
-            data = self._codec.encoder(result)
+            data = self._encode(result)
         except Exception as exc:
             raise ResultEncodeError(key, result, f"{self.serializer}: {exc}") from exc
         if isinstance(data, str):
@@ -119,6 +157,8 @@ class ResultCodec:
             )
         try:
             decoder = self._decoders.get(content_type)
+            if decoder is self._json[0] and content_type == _JSON:
+                decoder = self._json[1]
             if decoder is not None and data:
                 return decoder(data)
             # raw text or data, or an empty payload: kombu's rules for those

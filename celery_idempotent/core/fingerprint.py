@@ -19,7 +19,14 @@ from typing import Any
 
 from celery_idempotent import keyspace
 
-__all__ = ["fingerprint_payload", "key_digest", "lock_resource", "record_key", "slot_key"]
+__all__ = [
+    "KeyLabel",
+    "fingerprint_payload",
+    "key_digest",
+    "lock_resource",
+    "record_key",
+    "slot_key",
+]
 
 MAX_READABLE_KEY = keyspace.MAX_READABLE_KEY
 _HEAD = keyspace.HEAD_CHARS
@@ -131,6 +138,19 @@ def key_digest(key: str) -> str:
     """A short hash of ``key`` for log lines: keys built from arguments may hold personal data,
     and logs must never carry argument values."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class KeyLabel:
+    """``key #<key_digest(key)>`` for a log line, worked out only when the line is written
+    (the lease keeper keeps one per running body, and almost never logs it)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"key #{key_digest(self.key)}"
 
 
 # The Redis names moved to celery_idempotent.keyspace (the one module that spells them);

@@ -37,7 +37,7 @@ from celery_idempotent.core.exceptions import (
     LockAcquisitionError,
     LockLostError,
 )
-from celery_idempotent.core.fingerprint import fingerprint_payload, key_digest
+from celery_idempotent.core.fingerprint import KeyLabel, fingerprint_payload, key_digest
 from celery_idempotent.core.outcome import (
     ABSENT,
     GuardEvent,
@@ -86,7 +86,9 @@ class DistributedIdempotencyGuard:
     capped at ``retry_max_delay`` when given. ``fingerprint_fn`` hashes ``input`` for mismatch
     detection; ``key_prefix`` namespaces lock and record names. ``clock`` stamps records;
     ``sleep`` and ``random`` drive the back-off (inject fakes in tests); ``on_event`` receives
-    :class:`GuardEvent` s (its errors are logged, never raised).
+    :class:`GuardEvent` s (its errors are logged, never raised); when it also has a
+    ``wants(kind) -> bool`` method, an event is built only for a kind it wants (no work on the
+    hot path for events nobody listens to).
 
     Durations are seconds (int, float or ``datetime.timedelta``). One instance is safe to share
     between threads.
@@ -159,6 +161,8 @@ class DistributedIdempotencyGuard:
             self.retry_base_delay, self.retry_max_delay, random
         )
         self._on_event = on_event
+        wants = getattr(on_event, "wants", None)
+        self._wants: Callable[[str], bool] | None = wants if callable(wants) else None
         paired = store.atomic_with(lock_provider) if isinstance(store, PairsAtomically) else None
         #: What claims and commits: the store's own atomic backend for ``lock_provider``, else
         #: a :class:`~celery_idempotent.core.two_step.TwoStepBackend` of the two.
@@ -214,13 +218,16 @@ class DistributedIdempotencyGuard:
         abort: Any = None,
         fingerprint: str | None = None,
         task_id: str | None = None,
+        ttl: float | None = None,
     ) -> Outcome[T]:
         """Like :meth:`execute`, but says whether the value was replayed (an :class:`Outcome`).
 
         ``fingerprint``, when given, is used as the fingerprint of ``input`` instead of calling
         ``fingerprint_fn`` (for a caller that has computed it already). ``task_id`` is stored
-        with the result (``IdempotencyRecord.task_id``).
+        with the result (``IdempotencyRecord.task_id``). ``ttl``: this call's record TTL in
+        seconds, instead of the guard's (a per-call ``idempotency_ttl``).
         """
+        record_ttl = self.ttl if ttl is None else check_duration("ttl", ttl)
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
         if not key:
@@ -257,7 +264,7 @@ class DistributedIdempotencyGuard:
                 rkey,
                 lease,
                 new,
-                ttl=self.ttl,
+                ttl=record_ttl,
                 lock_ttl=self.lock_ttl,
                 sleep=self._sleep,
                 kept=kept,
@@ -348,7 +355,7 @@ class DistributedIdempotencyGuard:
             lease,
             self.lock_ttl,
             self.renew_interval,
-            label=f"key #{key_digest(key)}",
+            label=KeyLabel(key),
         )
         try:
             with running_under(lease):
@@ -374,9 +381,10 @@ class DistributedIdempotencyGuard:
     def _emit(
         self, kind: str, key: str, attempt: int, started: float, fencing: int | None = None
     ) -> None:
-        if self._on_event is None:
+        on_event = self._on_event
+        if on_event is None or (self._wants is not None and not self._wants(kind)):
             return
         try:
-            self._on_event(GuardEvent(kind, key, attempt, self.clock() - started, fencing))
+            on_event(GuardEvent(kind, key, attempt, self.clock() - started, fencing))
         except Exception:
             log.exception("on_event handler failed for %s of key #%s", kind, key_digest(key))

@@ -77,7 +77,7 @@ class Renewal:
         ttl: float,
         interval: float,
         renew: Renew | None = None,
-        label: str | None = None,
+        label: object = None,
     ) -> None:
         self.provider = provider
         self.lease = lease
@@ -159,11 +159,12 @@ class LeaseKeeper:
         interval: float,
         *,
         renew: Renew | None = None,
-        label: str | None = None,
+        label: object = None,
     ) -> Renewal:
         """Start renewing ``lease`` every ``interval`` seconds, each time for ``ttl`` seconds,
         with ``renew(lease, ttl, timeout)`` when given, else ``provider.extend(lease, ttl)``.
-        ``label`` names the lease in log lines."""
+        ``label`` names the lease in log lines (anything ``str()`` turns into its name, worked
+        out when a line is written)."""
         renewal = Renewal(provider, lease, ttl, interval, renew, label)
         due = time.monotonic() + interval
         with self._cond:

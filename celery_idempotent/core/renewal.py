@@ -74,7 +74,7 @@ def keep(
     ttl: float,
     interval: float,
     *,
-    label: str | None = None,
+    label: object = None,
 ) -> Renewal:
     """Keep ``lease`` alive until :func:`stop`: on the OS-thread keeper with the provider's own
     ``renewer()`` when it has one (or when no green runtime patched the process), else on the

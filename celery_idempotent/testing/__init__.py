@@ -12,10 +12,13 @@ The fixtures:
   backend, or to a private Redis server when ``idempotency_backend`` says ``"redis"``, and puts
   everything back afterwards. Its helpers deliver a task twice the way a broker does and assert
   that the body ran once; :meth:`IdempotencyTester.stored` shows what was stored.
-- ``idempotency_backend``: ``"memory"`` (the default), ``"redis"`` or ``"postgres"``.
+- ``idempotency_backend``: ``"memory"`` (the default), ``"redis"``, ``"postgres"`` or
+  ``"mysql"``.
   Override it in a ``conftest.py``, or parametrize a test over it.
 - ``idempotency_postgres_url``: where ``"postgres"`` keeps the keys: ``django://default``
   under pytest-django (the test database), else ``IDEMPOTENCY_POSTGRES_URL``.
+- ``idempotency_mysql_url``: where ``"mysql"`` keeps the keys: likewise ``django://default``
+  under pytest-django (a MySQL test database), else ``IDEMPOTENCY_MYSQL_URL``.
 - ``idempotency_app``: the app to switch when the test starts (``celery_app`` or
   ``celery_session_app`` when the test uses one, else ``None``). Override it to name your own.
 - ``idempotency_redis``: a session-wide private ``redis-server`` (from ``PATH`` or the
@@ -60,12 +63,13 @@ __all__ = [
     "idempotency",
     "idempotency_app",
     "idempotency_backend",
+    "idempotency_mysql_url",
     "idempotency_postgres_url",
     "idempotency_redis",
 ]
 
 #: The values ``idempotency_backend`` may return.
-BACKENDS = ("memory", "redis", "postgres")
+BACKENDS = ("memory", "redis", "postgres", "mysql")
 
 
 @pytest.fixture
@@ -104,6 +108,32 @@ def idempotency_postgres_url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def idempotency_mysql_url(request: pytest.FixtureRequest) -> str:
+    """The ``idempotency_url`` of ``idempotency_backend = "mysql"``: ``django://default`` when
+    Django is configured (as :func:`idempotency_postgres_url`, on Django's MySQL engine), else
+    ``IDEMPOTENCY_MYSQL_URL`` (``mysql://...``: a table of the session's own, emptied after
+    every test). Override it to name your own."""
+    from celery_idempotent.testing import django_db  # noqa: PLC0415
+
+    if django_db._configured():
+        for name in ("transactional_db", "db"):
+            if name in request.fixturenames:
+                request.getfixturevalue(name)
+                break
+        return "django://default"
+    import os  # noqa: PLC0415
+
+    given = os.environ.get("IDEMPOTENCY_MYSQL_URL")
+    if not given:
+        pytest.fail(
+            'idempotency_backend = "mysql" needs Django configured (pytest-django) or '
+            "IDEMPOTENCY_MYSQL_URL=mysql://...; or override idempotency_mysql_url"
+        )
+    separator = "&" if "?" in given else "?"
+    return f"{given}{separator}table=idempotency_tests_{os.getpid()}"
+
+
+@pytest.fixture
 def idempotency_app(request: pytest.FixtureRequest) -> Any:
     """The app ``idempotency`` switches when the test starts: ``celery_app`` (or
     ``celery_session_app``) when the test uses it, else ``None``."""
@@ -119,9 +149,12 @@ def _clear_postgres(url: str) -> None:
 
     backend = backend_from_url(url)
     try:
-        exists = backend.autocommit([("SELECT to_regclass(%s) IS NOT NULL", (backend.table,))])[0][
-            0
-        ][0]
+        probe: tuple[str, tuple[Any, ...]]
+        if getattr(backend, "dialect", "postgresql") == "mysql":
+            probe = (backend.sql.exists, backend.sql.exists_params)
+        else:
+            probe = ("SELECT to_regclass(%s) IS NOT NULL", (backend.table,))
+        exists = backend.autocommit([probe])[0][0][0]
         if exists:
             backend.clear()
     finally:
@@ -152,6 +185,9 @@ def idempotency(
     elif idempotency_backend == "postgres":
         url = request.getfixturevalue("idempotency_postgres_url")
         server = None
+    elif idempotency_backend == "mysql":
+        url = request.getfixturevalue("idempotency_mysql_url")
+        server = None
     else:
         raise ValueError(
             f"idempotency_backend must be one of {', '.join(BACKENDS)}, got {idempotency_backend!r}"
@@ -169,7 +205,7 @@ def idempotency(
         yield tester
     finally:
         tester.close()
-        if idempotency_backend == "postgres":
+        if idempotency_backend in ("postgres", "mysql"):
             _clear_postgres(url)
         if server is not None:
             import redis  # noqa: PLC0415

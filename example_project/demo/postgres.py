@@ -1,4 +1,7 @@
-"""``python -m example_project --backend postgres [--chaos]``: rows per order, PostgreSQL vs Redis.
+"""``python -m example_project --backend postgres|mysql [--chaos]``: rows per order, SQL vs Redis.
+
+``--backend mysql`` runs the same load on the MySQL / MariaDB backend (``--mysql-url`` /
+``$MYSQL_URL``, else a private ``mariadbd`` from the machine), payments in that database.
 
 The same load runs twice on real ``celery worker`` s (prefork), once per backend:
 
@@ -46,11 +49,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m example_project --backend postgres",
+        prog="python -m example_project --backend postgres|mysql",
         description="Charge orders with duplicates and kills; count payment rows per order on "
-        "the PostgreSQL backend and, side by side, on the Redis backend.",
+        "the PostgreSQL (or MySQL) backend and, side by side, on the Redis backend.",
     )
-    parser.add_argument("--backend", choices=["postgres"], default="postgres")
+    parser.add_argument("--backend", choices=["postgres", "mysql"], default="postgres")
     parser.add_argument("--orders", type=int, default=30)
     parser.add_argument("--duplicates", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
@@ -60,8 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--latency", type=float, default=0.3, help="seconds each body waits")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     parser.add_argument("--postgres-url", default=os.environ.get("POSTGRES_URL"))
+    parser.add_argument("--mysql-url", default=os.environ.get("MYSQL_URL"))
     parser.add_argument(
-        "--only", choices=["postgres", "redis"], help="run one backend instead of both"
+        "--only", choices=["postgres", "mysql", "redis"], help="run one backend instead of both"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--timeout", type=float, default=180.0)
@@ -72,20 +76,47 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return options
 
 
+def _sql(url: str, statements: list[str]) -> list[Any]:
+    """Run ``statements`` on ``url`` (PostgreSQL or MySQL) in autocommit; the last one's rows."""
+    rows: list[Any] = []
+    if url.startswith("mysql://"):
+        import pymysql
+
+        from celery_idempotent.backends.mysql.connections import connect_args
+
+        conn = pymysql.connect(**connect_args(url), autocommit=True)
+        try:
+            with conn.cursor() as cur:
+                for statement in statements:
+                    cur.execute(statement.replace('"', "`"))
+                    rows = list(cur.fetchall()) if cur.description else []
+        finally:
+            conn.close()
+        return rows
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as pg:
+        for statement in statements:
+            cur = pg.execute(statement)
+            rows = cur.fetchall() if cur.description else []
+    return rows
+
+
 def _run_backend(
     backend: str, options: argparse.Namespace, redis_url: str, pg_url: str, work: Path
 ) -> dict[str, Any]:
-    import psycopg
     import redis
 
     tag = uuid.uuid4().hex[:8]
     payments = f"demo_{tag}_payments"
     marks = redis.Redis.from_url(redis_url)
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(
-            f'CREATE TABLE "{payments}" (order_id int, amount int, pid int, '
-            "at timestamptz DEFAULT clock_timestamp())"
-        )
+    mysql = pg_url.startswith("mysql://")
+    at = (
+        "at DATETIME(6) DEFAULT CURRENT_TIMESTAMP(6)"
+        if mysql
+        else ("at timestamptz DEFAULT clock_timestamp()")
+    )
+    _sql(pg_url, [f'CREATE TABLE "{payments}" (order_id int, amount int, pid int, {at})'])
     sep = "&" if "?" in pg_url else "?"
     env = {
         **os.environ,
@@ -97,7 +128,7 @@ def _run_backend(
         "PGSHOP_PREFIX": f"demo:{tag}:",
         "PGSHOP_LATENCY": str(options.latency),
         "PGSHOP_IDEMPOTENCY_URL": (
-            f"{pg_url}{sep}table=demo_{tag}" if backend == "postgres" else redis_url
+            f"{pg_url}{sep}table=demo_{tag}" if backend != "redis" else redis_url
         ),
     }
     os.environ.update({k: v for k, v in env.items() if k.startswith("PGSHOP_")})
@@ -156,15 +187,20 @@ def _run_backend(
         for proc in workers:
             stop_process(proc, 10.0, group=True)
         pgshop.app.close()
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        rows = conn.execute(
-            f'SELECT order_id, count(*) FROM "{payments}" GROUP BY order_id'  # noqa: S608
-        ).fetchall()
-        conn.execute(f'DROP TABLE "{payments}"')
-        if backend == "postgres":
-            conn.execute(f'DROP TABLE IF EXISTS "demo_{tag}"')
-            conn.execute(f'DROP SEQUENCE IF EXISTS "demo_{tag}_fencing"')
-    per_order = dict(rows)
+    rows = _sql(pg_url, [f'SELECT order_id, count(*) FROM "{payments}" GROUP BY order_id'])  # noqa: S608
+    cleanup = [f'DROP TABLE "{payments}"']
+    if backend == "postgres":
+        cleanup += [
+            f'DROP TABLE IF EXISTS "demo_{tag}"',
+            f'DROP SEQUENCE IF EXISTS "demo_{tag}_fencing"',
+        ]
+    if backend == "mysql":
+        cleanup += [
+            f'DROP TABLE IF EXISTS "demo_{tag}"',
+            f'DROP TABLE IF EXISTS "demo_{tag}_fencing"',
+        ]
+    _sql(pg_url, cleanup)
+    per_order = {int(k): int(v) for k, v in rows}
     histogram = Counter(per_order.get(order, 0) for order in range(1, options.orders + 1))
     failed = sum(1 for v in values if not isinstance(v, dict))
     agree = all(
@@ -188,11 +224,16 @@ def _run_backend(
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
+    sql = options.backend
     try:
-        import psycopg  # noqa: F401
+        if sql == "mysql":
+            import pymysql  # noqa: F401
+        else:
+            import psycopg  # noqa: F401
     except ImportError:
+        extra = "mysql" if sql == "mysql" else "embedded"
         print(
-            "the PostgreSQL demo needs psycopg: pip install 'celery-idempotent[embedded]'",
+            f"the {sql} demo needs its driver: pip install 'celery-idempotent[{extra}]'",
             file=sys.stderr,
         )
         return 3
@@ -203,13 +244,18 @@ def main(argv: list[str] | None = None) -> int:
         if not redis_url:
             redis_server = start_redis(work)
             redis_url = redis_server.url(0)
-        pg_url = options.postgres_url
-        if not pg_url:
+        pg_url = options.mysql_url if sql == "mysql" else options.postgres_url
+        if not pg_url and sql == "mysql":
+            from celery_idempotent.servers.mysql_server import MySQLServer
+
+            pg_server = MySQLServer().start()
+            pg_url = pg_server.url
+        elif not pg_url:
             from celery_idempotent.servers.postgres_server import PostgresServer
 
             pg_server = PostgresServer().start()
             pg_url = pg_server.url
-        backends = [options.only] if options.only else ["postgres", "redis"]
+        backends = [options.only] if options.only else [sql, "redis"]
         reports = [_run_backend(b, options, redis_url, pg_url, work) for b in backends]
     except (RuntimeError, OSError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
@@ -238,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                      r["orders_charged_twice_or_more"]]  # fmt: skip
             print("  ".join(f"{c!s:>19}" for c in cells))
         print(
-            "PostgreSQL: the row commits with the record (current_connection()), so a killed "
+            f"{'MySQL' if sql == 'mysql' else 'PostgreSQL'}: the row commits with the record "
+            "(current_connection()), so a killed "
             "body's row is rolled back with its claim. Redis: the body's own connection "
             "commits at once, so every killed body's row stays and its rerun adds another."
         )
-    pg = next((r for r in reports if r["backend"] == "postgres"), None)
+    pg = next((r for r in reports if r["backend"] == sql), None)
     ok = pg is None or (
         pg["orders_with_rows"] == {"1": options.orders}
         and pg["failed_deliveries"] == 0

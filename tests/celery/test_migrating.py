@@ -545,12 +545,21 @@ def test_singleton_lock_expiry_as_one_call_per_time_frame(
     frame". Ours: ``idempotency_window`` (the frame), a grid of slots rounded to the nearest
     boundary rather than a frame that starts at the first call: within one slot one run,
     a publish a whole frame later runs again."""
-    t = tag()
-    first = mig.time_frame.delay(t)
+
+    def slot(when: float) -> int:
+        return int(when / mig.FRAME + 0.5)
+
+    while True:  # a publish whose slot is known: not one that straddled a boundary
+        t = tag()
+        published = time.time()
+        first = mig.time_frame.delay(t)
+        if slot(published) == slot(time.time()):
+            break
+        first.get(timeout=TIMEOUT)
     assert first.get(timeout=TIMEOUT) == 1
-    now = time.time()
-    slot_end = (int(now / mig.FRAME + 0.5) + 0.5) * mig.FRAME
-    if slot_end - now > 0.3:  # still inside the first's slot: replayed
+    # The end of the first call's slot (slots are rounded to the nearest boundary).
+    slot_end = (slot(published) + 0.5) * mig.FRAME
+    if slot_end - time.time() > 0.3:  # still inside the first's slot: replayed
         assert mig.time_frame.delay(t).get(timeout=TIMEOUT) == 1
     time.sleep(max(0.0, slot_end - time.time()) + 0.1)
     assert mig.time_frame.delay(t).get(timeout=TIMEOUT) == 2

@@ -415,22 +415,47 @@ def test_shortened_keys(
     assert stats == {
         "cliadmin.charge": {"completed": 2, "in_progress": 0, "queued": 0},
         long_task: {"completed": 1, "in_progress": 0, "queued": 0},
+        # long_task's long key, and mid_task's: its head ends inside ":key:", so it could be
+        # another task's whose name starts with mid_task + ":" (issue 22): never attributed.
         "(shortened)": {"completed": 2, "in_progress": 0, "queued": 0},
         "(no task)": {"completed": 1, "in_progress": 0, "queued": 0},
     }
     only = as_json(ok(run_cli("stats", "--task", mid_task, "--any-task", "--json")))["tasks"]
-    assert only == {mid_task: {"completed": 1, "in_progress": 0, "queued": 0}}
+    assert only == {}
 
-    assert (
-        "deleted 1 record(s)"
-        in ok(run_cli("forget", "--task", mid_task, "--any-task", "-y")).stdout
-    )
+    left = ok(run_cli("forget", "--task", mid_task, "--any-task", "-y"))
+    assert "cannot be attributed" in left.stderr
+    doc = as_json(ok(run_cli("inspect", long_key, "--task", mid_task, "--any-task", "--json")))
+    assert doc["state"] == "completed"  # left alone
     done = ok(run_cli("forget", "--task", long_task, "--any-task", "--yes"))
     assert "deleted 1 record(s)" in done.stdout
     assert "cannot be attributed" in done.stderr
     doc = as_json(ok(run_cli("inspect", long_key, "--task", long_task, "--any-task", "--json")))
     assert doc["state"] == "completed"  # the unattributable one was left alone
     assert "deleted 2 record(s)" in ok(run_cli("forget", "--task", "cliadmin.charge", "-y")).stdout
+
+
+def test_forget_task_leaves_a_longer_namespace_alone(
+    run_cli: Callable[..., Result],
+    guard: DistributedIdempotencyGuard,
+) -> None:
+    """Issue 22: task B's namespace is A's plus ``":v2"``; with A's namespace 58 characters
+    or longer, B's shortened names (long keys, braces) begin with A's name and ``:``.
+    ``forget --task A`` deletes only names whose head holds ``A:<kind>:`` whole."""
+    a = "cliadmin." + "a" * 49  # 58 characters
+    b = a + ":v2"
+    guard.execute(f"{b}:key:" + "x" * 300, lambda: "b-long")
+    guard.execute(f"{b}:key:{{braced}}", lambda: "b-braced")
+    guard.execute(f"{a}:key:short", lambda: "a-short")
+
+    done = ok(run_cli("forget", "--task", a, "--any-task", "--yes"))
+    assert "deleted 1 record(s)" in done.stdout  # A's own
+    assert "cannot be attributed" in done.stderr
+    for key in ("x" * 300, "{braced}"):
+        doc = as_json(ok(run_cli("inspect", key, "--task", b, "--any-task", "--json")))
+        assert doc["state"] == "completed", key  # B's records are still there
+    stats = as_json(ok(run_cli("stats", "--task", a, "--any-task", "--json")))["tasks"]
+    assert stats == {}
 
 
 # --------------------------------------------------------------------------- stats

@@ -297,7 +297,7 @@ def test_the_testing_page_covers_every_fixture_and_helper() -> None:
         for name, value in vars(testing.IdempotencyTester).items()
         if not name.startswith("_") and callable(value) and name != "close"
     ]
-    assert len(fixtures) == 5
+    assert len(fixtures) == 6
     assert len(helpers) >= 7
     missing = [name for name in fixtures + helpers if f"`{name}" not in page]
     assert not missing, f"docs/testing.md does not describe {missing}"

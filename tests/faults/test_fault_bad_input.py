@@ -201,7 +201,8 @@ def test_a_key_that_is_not_a_nonempty_str_is_refused_before_redis(
 # --------------------------------------------------------------------------- settings
 
 GUARD_OPTIONS: list[tuple[str, Any, type[Exception]]] = [
-    ("ttl", 0, ValueError),
+    # ttl=0 is a mode since 0.2.0 (nothing kept once the body ends): not a bad value.
+    ("ttl", -0.5, ValueError),
     ("ttl", -1, ValueError),
     ("ttl", "60", TypeError),
     ("ttl", None, TypeError),
@@ -240,7 +241,7 @@ def test_a_bad_guard_option_fails_at_construction_naming_it(
 
 
 TASK_SETTINGS: list[tuple[str, Any, type[Exception]]] = [
-    ("idempotency_ttl", 0, ValueError),
+    ("idempotency_ttl", -1, ValueError),
     ("idempotency_lock_ttl", -5, ValueError),
     ("idempotency_lock_ttl", "10", TypeError),
     ("idempotency_retry_count", -1, ValueError),

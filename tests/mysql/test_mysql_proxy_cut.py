@@ -62,7 +62,11 @@ def test_cut_mid_body_rolls_back_and_the_next_holder_runs_once(
             first = my_app.pay.apply_async((order, ROWS, 4.0), queue=queues[0])
             pid_a = int(wait_for(lambda: marks.get(f"{my_table}:inserted:{order}:1"), 30, what="A"))
             proxy.cut()
-            second = my_app.pay.apply_async((order, ROWS, 4.0), queue=queues[1])
+            # A duplicate message, as a broker redelivery would bring it (the publish side
+            # would otherwise hand back the first call's result: it is still queued).
+            second = my_app.pay.apply_async(
+                (order, ROWS, 4.0), queue=queues[1], idempotency_on_duplicate_publish="publish"
+            )
             value = second.get(timeout=60)
             assert value == {"order": order, "run": 2}
             with pytest.raises(Exception) as caught:

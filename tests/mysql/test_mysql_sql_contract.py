@@ -72,3 +72,13 @@ def sqldb(mysql_url: str, my_table: str, my_backend: MySQLBackend) -> SqlDb:
 
 def _unused(*_: Any) -> None:  # pragma: no cover - keeps the imports above referenced
     connect("")
+
+
+def test_round_trips_match_a_plain_transaction(mysql_url: str, my_table: str) -> None:
+    """Counted by a TCP relay (benchmarks.pg.FlightCounter), not timed: a first execution
+    costs what a plain START TRANSACTION / INSERT / COMMIT costs (3), a replay 2."""
+    from benchmarks.mysql import round_trips
+
+    query(mysql_url, f"CREATE TABLE `{my_table}_payments` (k VARCHAR(64)) ENGINE=InnoDB")
+    trips = round_trips(mysql_url, my_table)
+    assert trips == {"plain_tx": 3.0, "my_first": 3.0, "my_duplicate": 2.0}

@@ -180,7 +180,11 @@ def duplicates_scenario(app: ModuleType, worker: CeleryWorker) -> None:
     while not m.exists(f"{app.TABLE}:hold:started:{hold_tag}"):
         assert time.monotonic() < deadline, "the holding body never started"
         time.sleep(0.02)
-    duplicate = app.hold.apply_async((hold_tag, patience), queue=queue)
+    # Published as a duplicate delivery would arrive (the publish-side check would stop it
+    # and answer with the running call's result).
+    duplicate = app.hold.apply_async(
+        (hold_tag, patience), queue=queue, idempotency_on_duplicate_publish="publish"
+    )
     value = first.get(timeout=TIMEOUT)
     assert duplicate.get(timeout=TIMEOUT) == value
     assert value["run"] == 1

@@ -371,3 +371,36 @@ def test_a_reset_that_fails_after_the_commit_closes_the_session_and_keeps_the_re
     assert record.result == "stored"
     guard.execute("next", lambda: pids.append(conn().info.backend_pid))
     assert pids[0] == pids[1] != pids[2], "the session whose reset failed was not pooled"
+
+
+def test_django_bodies_that_end_the_transaction_are_refused_or_told(
+    postgres_url: str, pg_table: str
+) -> None:
+    """``django://``: raw SQL through Django's cursor and the driver's own ``commit()`` end
+    the transaction behind Django's back: the commit is refused, saying so. Django itself
+    refuses ``transaction.commit()`` and ``set_autocommit(True)`` inside ``atomic()``: the
+    body raises, and nothing is stored either way."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("pg_django_ended.py")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(script), postgres_url, pg_table],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for way in ("raw_sql", "driver_commit"):
+        assert out[way]["raised"].startswith("LockLostError"), out
+        assert "ended the guard's transaction itself" in out[way]["raised"], out
+    for way in ("django_commit", "autocommit_on"):
+        assert out[way]["raised"].startswith("TransactionManagementError"), out
+    assert not any(v["stored"] for k, v in out.items() if k != "after"), out
+    assert out["after"] == "fine"

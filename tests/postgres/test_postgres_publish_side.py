@@ -34,7 +34,9 @@ def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
     assert (first.action, first.unchecked) == ("publish", False)
     assert check(pg_backend, "t-1").action == "publish"  # its own marker: goes through
     again = check(pg_backend, "t-2")
-    assert (again.action, again.task_id) == ("queued", "t-1")
+    assert (again.action, again.task_id, again.state) == ("queued", "t-1", "queued")
+    assert again.ttl_left is not None
+    assert 0 < again.ttl_left <= 60
     other = check(pg_backend, "t-3", fp="fp-other")
     assert (other.action, other.task_id, other.stored_fingerprint) == ("mismatch", "t-1", "fp-1")
     assert check(pg_backend, "t-4", fp=None).action == "queued"  # no fingerprint: no mismatch
@@ -47,14 +49,16 @@ def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
         began = time.monotonic()
         running = check(pg_backend, "t-5")
         assert time.monotonic() - began < pg_backend.lock_timeout
-        assert (running.action, running.task_id) == ("queued", "t-1")
+        assert (running.action, running.task_id, running.state) == ("queued", "t-1", "running")
         record = IdempotencyRecord({"ok": 1}, "fp-1", time.time(), claim.lease.fencing_token)
         assert pg_backend.commit(claim.lease, REC, record, 60)
     except BaseException:
         pg_backend.release(claim.lease)
         raise
     done = check(pg_backend, "t-6")
-    assert done.action == "completed"
+    assert (done.action, done.state) == ("completed", "completed")
+    assert done.ttl_left is not None
+    assert 50 < done.ttl_left <= 60
     assert done.record is not None
     assert done.record.result == {"ok": 1}
     mismatch_done = check(pg_backend, "t-7", fp="fp-other")
@@ -63,15 +67,34 @@ def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
     assert pg_backend.drop_queued(REC, "t-1") is False  # a record now: not a marker
 
 
-def test_a_failed_body_leaves_the_marker_until_the_worker_drops_it(pg_backend: Any) -> None:
+def test_a_body_that_ends_without_committing_frees_its_key(pg_backend: Any) -> None:
+    # SPEC §8: a body that raises, Ignore, a killed child: the claim marked the marker
+    # "claimed" (committed at once), the transaction is gone, the key is free.
     assert check(pg_backend, "t-1").action == "publish"
     claim = pg_backend.claim(LOCK, REC, 30)
     assert claim.lease is not None
-    pg_backend.release(claim.lease)  # the body raised: rolled back, the marker is back
-    assert check(pg_backend, "t-2").action == "queued"
+    assert pg_backend.drop_queued(REC, "t-1") is False  # held now: left alone, no wait
+    pg_backend.release(claim.lease)  # rolled back, as when the worker is killed
+    after = check(pg_backend, "t-2")
+    assert (after.action, after.unchecked) == ("publish", False)
+    assert check(pg_backend, "t-3").task_id == "t-2"
     assert pg_backend.drop_queued(REC, "t-other") is False  # only its own marker
-    assert pg_backend.drop_queued(REC, "t-1") is True
-    assert check(pg_backend, "t-2").action == "publish"  # free at once
+    assert pg_backend.drop_queued(REC, "t-2") is True
+    assert check(pg_backend, "t-4").action == "publish"
+
+
+def test_a_requeued_delivery_queues_its_marker_again(pg_backend: Any) -> None:
+    # A published retry or Reject(requeue=True): the marker names the call again, for
+    # publish_ttl, once the delivery's transaction has ended.
+    assert check(pg_backend, "t-1").action == "publish"
+    claim = pg_backend.claim(LOCK, REC, 30)
+    assert claim.lease is not None
+    assert pg_backend.requeue_marker(REC, "t-1", 60) is True  # deferred: our own row
+    pg_backend.release(claim.lease)
+    again = check(pg_backend, "t-2")
+    assert (again.action, again.task_id) == ("queued", "t-1")
+    # A marker that is not claimed is not touched.
+    assert pg_backend.requeue_marker(REC, "t-1", 60) is False
 
 
 def test_a_lost_message_blocks_the_key_for_publish_ttl_only(pg_backend: Any) -> None:
@@ -159,6 +182,14 @@ def test_a_subclass_without_the_statement_leaves_publishes_to_the_guard(pg_backe
     from celery_idempotent.backends.mysql.backend import MySQLBackend
 
     mysql = MySQLBackend("mysql://root@127.0.0.1:3306/none")  # no connection is made
+    assert mysql.checks_publishes() is True  # issue 26: MySQL has its own statements
+    assert publish_checker(mysql) is mysql
+    # A subclass whose SQL has no publish statement leaves publishes to the guard.
+    import types
+
+    mysql.sql = types.SimpleNamespace(  # type: ignore[assignment]
+        **{k: v for k, v in vars(mysql.sql).items() if k != "publish"}
+    )
     assert mysql.checks_publishes() is False
     assert publish_checker(mysql) is None
     assert mysql.queued_marker("idempotency:{t:key:k}") is None

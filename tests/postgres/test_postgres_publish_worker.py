@@ -15,7 +15,7 @@ import pytest
 import redis
 from celery.result import AsyncResult, EagerResult
 
-from celery_idempotent import IdempotencyMismatchError
+from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError
 from celery_idempotent.celery.task import reset_backends
 from tests.support.workers import CeleryWorker
 
@@ -85,6 +85,11 @@ def test_publish_side_on_postgres_with_a_real_worker(env: dict[str, str], pgp: A
     assert all(isinstance(r, AsyncResult) for r in results)
     with pytest.raises(IdempotencyMismatchError):
         pgp.charge.delay(order, 99)  # queued under another payload
+    with pytest.raises(DuplicatePublishError) as caught:
+        pgp.charge.apply_async((order, 5), idempotency_on_duplicate_publish="raise")
+    assert (caught.value.task_id, caught.value.state) == (results[0].id, "queued")
+    assert caught.value.ttl_left is not None
+    assert caught.value.ttl_left > 0
     worker = CeleryWorker(
         "pg_publish_app", pool="prefork", queues=[env["PGP_QUEUE"]], env=env, pythonpath=[HERE]
     )

@@ -92,3 +92,30 @@ def test_publish_until_started_is_refused_on_postgres(postgres_url: str) -> None
     finally:
         reset_backends()
         app.close()
+
+
+def test_duplicate_publish_error_on_postgres(postgres_url: str, pg_table: str) -> None:
+    """``DuplicatePublishError.state`` / ``.ttl_left`` through the PostgreSQL publish side:
+    ``"queued"`` (a running body's row is not visible to it) and no time left known."""
+    from celery import Celery
+
+    from celery_idempotent import DuplicatePublishError, IdempotentTask
+    from celery_idempotent.celery.task import reset_backends
+
+    app = Celery("pgdup", broker="memory://", set_as_current=False)
+    app.conf.idempotency_url = f"{postgres_url}?table={pg_table}"
+
+    @app.task(base=IdempotentTask, shared=False, idempotency_on_duplicate_publish="raise")
+    def job(x: int) -> int:
+        return x
+
+    reset_backends()
+    try:
+        first = job.apply_async((1,))
+        with pytest.raises(DuplicatePublishError) as caught:
+            job.apply_async((1,))
+        assert (caught.value.task_id, caught.value.state) == (first.id, "queued")
+        assert caught.value.ttl_left is None
+    finally:
+        reset_backends()
+        app.close()

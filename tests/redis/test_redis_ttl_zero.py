@@ -170,3 +170,52 @@ def test_publish_decision_says_state_and_time_left(
     assert (past.action, past.unchecked) == ("publish", True)
     assert redis_client.get(r2) is not None  # the record is not overwritten by a marker
     assert keyspace.parse_queued(redis_client.get(r2)) is None
+
+
+def test_ttl_zero_race_of_threads_never_overlaps_and_every_call_runs(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Four threads, each with its own client, call one key five times with ``ttl=0``: all
+    twenty calls run (nothing is replayed) and no two bodies ever overlap."""
+    import threading
+    import time
+
+    spans: list[tuple[float, float]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        client = redis.Redis.from_url(redis_url)
+        try:
+            guard = guard_on(
+                client,
+                key_prefix,
+                ttl=0,
+                retry_count=500,
+                retry_base_delay=0.005,
+                retry_max_delay=0.02,
+            )
+            for _ in range(5):
+
+                def body() -> None:
+                    start = time.monotonic()
+                    time.sleep(0.02)
+                    with lock:
+                        spans.append((start, time.monotonic()))
+
+                outcome = guard.run("race", body)
+                assert not outcome.replayed
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert len(spans) == 20
+    ordered = sorted(spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ordered, ordered[1:]))

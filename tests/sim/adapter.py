@@ -164,8 +164,9 @@ class KeyView:
     record_fence: int | None
     record_expire_ms: int | None
     record_fp: str | None
-    # a queued marker under the record's name: (task id, fingerprint, write stamp, expiry)
-    marker: tuple[str, str | None, int, int | None] | None = None
+    # a queued marker under the record's name: (task id, fingerprint, write stamp, expiry,
+    # state: "q" queued, "c" claimed by a delivery, "r" claimed then re-queued)
+    marker: tuple[str, str | None, int, int | None, str] | None = None
     # the lock's key exists (a valid lease, or a tombstone that keeps an ended lease's token)
     lock_present: bool = False
     lock_fence: int | None = None  # the fencing token the lock's key carries
@@ -200,9 +201,9 @@ class Layout:
                     holder_expire = state.deadline_ms if live else None
         marker = None
         if rec is not None and rec.kind == "string" and _keyspace is not None:
-            parsed = _keyspace.parse_queued(rec.value)
+            parsed = _keyspace.parse_marker(rec.value)
             if parsed is not None:
-                marker = (parsed[0], parsed[1], rec.version, rec.expire_ms)
+                marker = (parsed[0], parsed[1], rec.version, rec.expire_ms, parsed.state)
                 rec = None
         value, rfence, fp = (None, None, None) if rec is None else decode_record(rec)
         return KeyView(

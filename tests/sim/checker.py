@@ -38,9 +38,12 @@ Invariants (``Violation.rule``):
   state at the moment the script ran: a key with a live record yields no new message; a key
   queued under another task id yields no second message, and one queued under another
   fingerprint is refused as a mismatch; a marker is set only on a key with no record, no
-  other marker and no live lease.
+  other live marker and no live lease. A marker a delivery claimed (state ``c``) lives only
+  while a live lease holds the lock (SPEC §8): after that it is dead, and a publish may set
+  its own over it.
 - ``marker``: a queued marker never overwrites or removes a record (``overwrite``), and ends
-  only by the commit that replaces it, its own task's drop, its expiry, a forget or data loss.
+  only by the commit that replaces it, its own task's drop, its expiry, a forget, data loss,
+  or (dead) a publish's new marker; a claim only turns it to state ``c`` (same task id).
 - ``abandon``: a holder told "not ours" by a renewal sends no more renewals or commits for
   that lease.
 
@@ -319,6 +322,19 @@ class Checker:
         replaced = new.record_stamp is not None  # a write of the record (its rules judge it)
         if new.marker is not None and new.marker[0] == old.marker[0] and role == "publish":
             return  # its own publish sent again (the same task id): the same marker
+        if (
+            new.marker is not None
+            and new.marker[0] == old.marker[0]
+            and new.marker[1] == old.marker[1]
+            and new.marker[3] == old.marker[3]
+            and role == "claim"
+            and new.marker[4] == "c"
+        ):
+            self.marker_ends["claimed"] += 1
+            return  # the claim marks it claimed (same task id, its TTL kept)
+        if role == "publish" and new.marker is not None and _dead(old, now_ms):
+            self.marker_ends["dead, replaced by a publish"] += 1
+            return
         if replaced:
             self.marker_ends["replaced by a commit"] += 1
             return
@@ -350,6 +366,8 @@ class Checker:
                 f"(record {before.record_value!r}) answered {status}: a new message",
             )
         marker = before.marker
+        if marker is not None and _dead(before, now_ms):
+            marker = None  # claimed, and its lease is over: it stands for nothing
         if marker is not None and marker[0] != task_id:
             if message:
                 raise self.violated(
@@ -571,3 +589,15 @@ def short(token: str | None) -> str:
 
 def reset_aliases() -> None:
     _ALIASES.clear()
+
+
+def _dead(view: KeyView, now_ms: float) -> bool:
+    """Whether ``view``'s queued marker was claimed by a delivery whose lease is over (no live
+    lease holds the lock): it then stands for nothing (SPEC §8, the marker's life cycle)."""
+    marker = view.marker
+    if marker is None or marker[4] != "c":
+        return False
+    live = view.holder is not None and (
+        view.holder_expire_ms is None or view.holder_expire_ms > now_ms
+    )
+    return not live

@@ -5,7 +5,8 @@ on Django's MySQL engine (:mod:`celery_idempotent.cli.postgres` prints them), as
 JSON-ready documents as :mod:`celery_idempotent.backends.postgres.admin`:
 
 - :func:`describe`: the key's row: ``completed`` (an unexpired record), ``in_progress`` (a
-  transaction holds the row: a body runs now), or ``absent``.
+  transaction holds the row: a body runs now), ``queued`` (the publish side's marker: a call
+  was published and no delivery has committed it), or ``absent``.
 - :func:`forget_one`, :func:`forget_task`: delete records; a key whose row a running body
   holds is kept (its transaction will commit or roll back by itself; no force can take a row
   lock away from a live session: end that session with ``KILL <id>`` if it must go).
@@ -52,7 +53,13 @@ def describe(
     record = None
     if found is not None and found[0] == "completed" and float(found[7]) > 0:
         record = found
-    state = "completed" if record is not None else "in_progress" if held else "absent"
+    queued = found is not None and found[0] == "queued" and float(found[7]) > 0
+    if record is not None:
+        state = "completed"
+    elif held:
+        state = "in_progress"
+    else:
+        state = "queued" if queued else "absent"
     now = time.time()
     result: Any = None
     error: str | None = None
@@ -71,6 +78,11 @@ def describe(
         "record": None,
         "held": held,
     }
+    if queued and found is not None:  # the publish side's marker (task id in ``result``)
+        doc["queued"] = {
+            "task_id": bytes(found[8]).decode("utf-8", "replace") if found[8] else None,
+            "ttl": float(found[7]),
+        }
     if record is not None:
         created = float(record[6]) if record[6] is not None else None
         doc["record"] = {

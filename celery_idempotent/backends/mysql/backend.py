@@ -33,7 +33,7 @@ from celery_idempotent.backends.mysql.sql import (
 )
 from celery_idempotent.backends.postgres.backend import PostgresBackend
 from celery_idempotent.backends.postgres.connections import ended_by_body, split_url
-from celery_idempotent.backends.postgres.sql import decode_row, record_columns
+from celery_idempotent.backends.postgres.sql import PUBLISH_PARAMS, decode_row, record_columns
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
 from celery_idempotent.core.validate import check_delay, check_duration, check_ttl
@@ -135,12 +135,34 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
 
     # -- publish side -------------------------------------------------------------------------
 
-    #: Not offered on MySQL (yet): ``apply_async`` publishes every call unchecked, and the
-    #: guard stops the duplicate when it is delivered (it replays the stored result). The
-    #: PostgreSQL backend's one-statement check needs a data-modifying CTE, which MySQL has
-    #: not; ``None`` makes the backend fail the ``ChecksPublishes`` test that publish.py makes.
-    check_publish = None  # type: ignore[assignment]
-    drop_queued = None  # type: ignore[assignment]
+    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+        """The publish check's steps (:attr:`Statements.publish` and the ``publish_*`` around
+        it) in a transaction of their own, one flight; the decision's row, as the PostgreSQL
+        backend's statement returns it. An insert that waited past ``lock_timeout`` (a key's
+        first claim holds its new row) answers "running": publish unchecked."""
+        values = dict(zip(PUBLISH_PARAMS, params))
+        key, tid = values["key"], values["tid"]
+        # The lock wait is set after the SKIP LOCKED read: on MariaDB 10.11 a SKIP LOCKED
+        # read that skipped a row under innodb_lock_wait_timeout = 0 made the transaction's
+        # COMMIT fail ('Got error 1 "Operation not permitted" during COMMIT').
+        statements = [
+            (self.sql.publish_reset, ()),
+            (self.sql.publish_seen, (key,)),
+            (self.sql.publish_free, (key,)),
+            (self.sql.wait, (self.wait_seconds,)),
+            (self.sql.publish_decide, (tid,)),
+            (self.sql.publish, (key, values["fp"], tid, values["now"], values["ttl"])),
+            (self.sql.publish_result, (key, tid)),
+            (self.sql.wait_reset, ()),
+        ]
+        try:
+            results = self.autocommit(statements)
+        except Exception as exc:
+            if error_code(exc) in LOCK_ERRORS:
+                return [("running", 0, None, None, None, None, None, None, None, None)]
+            raise
+        found: list[Any] = results[6]
+        return found
 
     # -- lock provider ------------------------------------------------------------------------
 

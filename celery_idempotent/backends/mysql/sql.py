@@ -198,6 +198,68 @@ class Statements:
             f"SELECT `key` FROM {t} WHERE expires_at < {now} ORDER BY expires_at LIMIT %s "
             "FOR UPDATE SKIP LOCKED"
         )
+        # The publish side's check (ChecksPublishes.check_publish), as the PostgreSQL backend's
+        # one statement decides it, in one flight of a transaction of its own (MySQL has no
+        # data-modifying CTE: user variables carry the steps' findings). A queued marker is a
+        # row in state 'queued' whose result holds the task id (utf-8), whose fingerprint is
+        # the call's and which expires after the publish ttl; a claim takes it as a free row,
+        # a commit overwrites it with the record.
+        #   seen:    the row as committed (a consistent read: never waits)
+        #   free:    the row if no transaction holds it (SKIP LOCKED: never waits), now ours
+        #   decide:  'completed', 'own' (this task id's live marker), 'queued', 'running' (a
+        #            row held without a live marker: published unchecked) or 'mark'
+        #   put:     the marker, when 'mark'; onto an existing row only if `free` locked it
+        #            (a row that appeared since `seen` is left alone: the caller asks again).
+        #            The insert may wait for a key's first claim (its row not committed):
+        #            past lock_timeout that is "publish unchecked"
+        #   result:  the decision, whether the marker is this call's now, and what was seen
+        found = "@ci_state, @ci_fp, @ci_ct, @ci_ce, @ci_res, @ci_ca, @ci_fence"
+        self.publish_reset = (
+            "SET @ci_state = NULL, @ci_fp = NULL, @ci_ct = NULL, @ci_ce = NULL, "
+            "@ci_res = NULL, @ci_ca = NULL, @ci_fence = NULL, @ci_live = NULL, @ci_ttl = NULL, "
+            "@ci_free = NULL, @ci_d = NULL"
+        )
+        self.publish_seen = (
+            f"SELECT {fields}, expires_at > {now}, "
+            f"TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) / 1e6 FROM {t} WHERE `key` = %s "
+            f"INTO {found}, @ci_live, @ci_ttl"
+        )
+        self.publish_free = (
+            f"SELECT `key` FROM {t} WHERE `key` = %s FOR UPDATE SKIP LOCKED INTO @ci_free"
+        )
+        self.publish_decide = (
+            "SET @ci_d = CASE WHEN @ci_state IS NULL THEN 'mark' "
+            "WHEN @ci_live AND @ci_state = 'completed' THEN 'completed' "
+            "WHEN @ci_live AND @ci_state = 'queued' THEN "
+            "IF(@ci_res = CAST(%s AS BINARY), 'own', 'queued') "
+            "WHEN @ci_free IS NULL THEN 'running' ELSE 'mark' END"
+        )
+        keep = "@ci_free IS NULL"
+        self.publish = (
+            f"INSERT INTO {t} (`key`, state, fingerprint, content_type, content_encoding, "
+            "result, created_at, expires_at) SELECT %s, 'queued', %s, NULL, NULL, "
+            f"CAST(%s AS BINARY), %s, {now} + INTERVAL ROUND(%s * 1000000) MICROSECOND "
+            "FROM DUAL WHERE @ci_d = 'mark' ON DUPLICATE KEY UPDATE "
+            f"state = IF({keep}, state, 'queued'), "
+            f"fingerprint = IF({keep}, fingerprint, VALUES(fingerprint)), "
+            f"content_type = IF({keep}, content_type, NULL), "
+            f"content_encoding = IF({keep}, content_encoding, NULL), "
+            f"result = IF({keep}, result, VALUES(result)), "
+            f"created_at = IF({keep}, created_at, VALUES(created_at)), "
+            f"expires_at = IF({keep}, expires_at, VALUES(expires_at))"
+        )
+        self.publish_result = (
+            f"SELECT @ci_d, (SELECT COUNT(*) FROM {t} WHERE `key` = %s AND state = 'queued' "
+            f"AND result = CAST(%s AS BINARY)) * (@ci_d = 'mark'), {found}, @ci_ttl"
+        )
+        self.queued = (
+            f"SELECT result, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) / 1e6 FROM {t} "
+            f"WHERE `key` = %s AND state = 'queued' AND expires_at > {now}"
+        )
+        self.drop_queued = (
+            f"DELETE FROM {t} WHERE `key` = %s AND state = 'queued' "
+            "AND result = CAST(%s AS BINARY)"
+        )
         self.schema = schema.rstrip(".")
         self.exists = (
             "SELECT COUNT(*) = 2 FROM information_schema.TABLES WHERE "

@@ -118,6 +118,9 @@ class PostgresBackend(PsycopgTransactions):
         self._next_cleanup = time.monotonic() + self.cleanup_interval * _jitter()
         # lease token -> backend pid of a commit whose reply was lost
         self._unconfirmed: dict[str, int | None] = {}
+        # row -> (task id, publish ttl) of a marker to queue again once this process's
+        # transaction on the row has ended (requeue_marker)
+        self._requeue_after: dict[str, tuple[str, float]] = {}
         if self.driver == "psycopg":
             if url is None:
                 raise ValueError("PostgresBackend needs a postgresql:// URL")
@@ -157,8 +160,16 @@ class PostgresBackend(PsycopgTransactions):
         ]
 
     def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+        statements = self._claim_statements(row, lock_only)
         try:
-            tx, results = self._begin(row, self._claim_statements(row, lock_only))
+            if lock_only or not self.checks_publishes():
+                tx, results = self._begin(row, statements)
+            else:
+                # The key's queued marker becomes "claimed", committed first (same flight):
+                # if this delivery's transaction dies, the row is left claimed and unlocked,
+                # which the publish check reads as free (SPEC §8: a killed body frees its key).
+                marker = [(self.sql.claim_marker, (row,))]
+                tx, results = self._begin_after(marker, row, statements)
         except Exception as exc:
             if is_pg_error(exc, LOCK_NOT_AVAILABLE):
                 return Claim(None, None)  # held: one failed attempt
@@ -197,6 +208,7 @@ class PostgresBackend(PsycopgTransactions):
         transactions.unregister(lease.token)
         alive = self._alive(tx)
         self._rollback(tx)
+        self._requeue_pending(tx.key)
         return alive
 
     def is_locked(self, resource: str) -> bool:
@@ -309,18 +321,26 @@ class PostgresBackend(PsycopgTransactions):
     ) -> PublishDecision | None:
         decided, written = found[0], int(found[1])
         state, stored_fp, ctype, encoding, data, created_at, fence = found[2:9]
+        left = None if found[9] is None else max(0.0, float(found[9]))
         if decided == "completed":
             stored = decode_row(
                 self.codec, row, (state, stored_fp, ctype, encoding, data, created_at, fence)
             )
-            return PublishDecision("completed", None, stored, stored.fingerprint)
+            return PublishDecision(
+                "completed", None, stored, stored.fingerprint, state="completed", ttl_left=left
+            )
         if decided == "own":
             return PublishDecision("publish")
         if decided == "queued":
             first = bytes(data).decode("utf-8", "replace") if data is not None else None
+            # A claimed marker stops a publish only while its delivery holds the row.
+            running = state == "claimed"
+            shown, ttl = ("running", None) if running else ("queued", left)
             if fingerprint and stored_fp and stored_fp != fingerprint:
-                return PublishDecision("mismatch", first, None, stored_fp)
-            return PublishDecision("queued", first)
+                return PublishDecision(
+                    "mismatch", first, None, stored_fp, state=shown, ttl_left=ttl
+                )
+            return PublishDecision("queued", first, state=shown, ttl_left=ttl)
         if decided == "running":
             return PublishDecision("publish", unchecked=True)
         return PublishDecision("publish") if written else None
@@ -334,6 +354,30 @@ class PostgresBackend(PsycopgTransactions):
             return None
         data, ttl = rows[0]
         return bytes(data).decode("utf-8", "replace"), float(ttl)
+
+    def requeue_marker(self, record: str, task_id: str, publish_ttl: float) -> bool:
+        """The running delivery of ``task_id`` went back to the queue (a published retry,
+        ``Reject(requeue=True)``): its claimed marker is queued again for ``publish_ttl``
+        seconds. While this process's transaction holds the row the change waits for that
+        transaction to end (it would roll the change back, or wait on itself)."""
+        ttl = check_duration("publish_ttl", publish_ttl)
+        row = self._row(record)
+        if any(tx.key == row for tx in list(self._open.values())):
+            self._requeue_after[row] = (str(task_id), ttl)
+            return True
+        return self._requeue_now(row, str(task_id), ttl)
+
+    def _requeue_now(self, row: str, task_id: str, ttl: float) -> bool:
+        done = self.autocommit([(self.sql.requeue_marker, (ttl, row, task_id))])
+        return bool(done[0])
+
+    def _requeue_pending(self, row: str) -> None:
+        pending = self._requeue_after.pop(row, None)
+        if pending is not None:
+            try:
+                self._requeue_now(row, *pending)
+            except Exception as exc:  # the key is then free: an extra message at most
+                log.warning("could not re-queue the marker of %s: %r", row, exc)
 
     def drop_queued(self, record: str, task_id: str) -> bool:
         """Delete ``task_id``'s queued marker row of ``record``; ``False`` when the row holds
@@ -395,6 +439,7 @@ class PostgresBackend(PsycopgTransactions):
         except Exception as exc:
             self._forget(lease, tx)
             self._rollback(tx)
+            self._requeue_pending(tx.key)
             if is_pg_error(exc, DIVISION_BY_ZERO):
                 return False  # the row is not this lease's: nothing committed
             if is_pg_error(exc, INVALID_TEXT_REPRESENTATION) and ENDED_MARK in str(exc):
@@ -402,6 +447,7 @@ class PostgresBackend(PsycopgTransactions):
             raise
         self._forget(lease, tx)
         self._finish(tx)
+        self._requeue_after.pop(tx.key, None)  # the record replaced the marker
         self._maybe_cleanup()
         return True
 

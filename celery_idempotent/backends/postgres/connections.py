@@ -249,6 +249,21 @@ class PsycopgTransactions:
         hold(conn, 1)
         return Transaction(conn, True, key, conn), results
 
+    def _begin_after(
+        self,
+        before: Sequence[tuple[str, Sequence[Any]]],
+        key: str,
+        statements: Sequence[tuple[str, Sequence[Any]]],
+    ) -> tuple[Transaction, list[Any]]:
+        """:meth:`_begin`, with ``before`` run first in a transaction of their own, committed
+        without waiting for the WAL flush, all in the same flight (one round trip)."""
+        conn = self._get()
+        first = [("BEGIN", ()), ("SET LOCAL synchronous_commit TO OFF", ()), *before]
+        sent = [*first, ("COMMIT", ()), ("BEGIN", ()), *statements]
+        results = self._send(conn, sent)[len(first) + 2 :]
+        hold(conn, 1)
+        return Transaction(conn, True, key, conn), results
+
     def _send(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
         """:meth:`_flight` on a connection outside a transaction of the guard's; on error
         whatever it opened is rolled back, and a lost connection raised as

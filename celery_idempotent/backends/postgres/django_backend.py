@@ -83,6 +83,27 @@ class DjangoBackend(PostgresBackend):
                 raise ConnectionError(f"PostgreSQL (django://{self.alias}): {exc}") from exc
             raise
 
+    def _begin_after(
+        self,
+        before: Sequence[tuple[str, Sequence[Any]]],
+        key: str,
+        statements: Sequence[tuple[str, Sequence[Any]]],
+    ) -> tuple[Transaction, list[Any]]:
+        """``before`` in autocommit (Django has no pipeline: one round trip each; inside a
+        test's own transaction they join it), then :meth:`_begin`."""
+        conn = self._db()
+        if not self._ready and not conn.in_atomic_block:
+            self._django_ensure_table(conn)
+        try:
+            self._execute(conn, before)
+        except Exception as exc:
+            from django.db import InterfaceError, OperationalError  # noqa: PLC0415
+
+            if isinstance(exc, (OperationalError, InterfaceError)):
+                raise ConnectionError(f"PostgreSQL (django://{self.alias}): {exc}") from exc
+            raise
+        return self._begin(key, statements)
+
     def _execute(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
         results: list[Any] = []
         with conn.cursor() as cur:

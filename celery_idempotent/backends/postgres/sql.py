@@ -197,7 +197,9 @@ class Statements:
             "decide AS (SELECT CASE "
             "WHEN NOT EXISTS (SELECT 1 FROM seen) THEN 'mark' "
             "WHEN (SELECT live AND state = 'completed' FROM seen) THEN 'completed' "
-            "WHEN (SELECT live AND state = 'queued' FROM seen) THEN CASE WHEN "
+            "WHEN (SELECT live AND state = 'queued' FROM seen) "
+            "OR ((SELECT state = 'claimed' FROM seen) AND NOT EXISTS (SELECT 1 FROM free)) "
+            "THEN CASE WHEN "
             "(SELECT result FROM seen) = convert_to(%s, 'UTF8') THEN 'own' ELSE 'queued' END "
             "WHEN NOT EXISTS (SELECT 1 FROM free) THEN 'running' "
             "ELSE 'mark' END AS d FROM cfg), "
@@ -223,9 +225,25 @@ class Statements:
             f"SELECT result, extract(epoch FROM expires_at - statement_timestamp()) FROM {t} "
             "WHERE key = %s AND state = 'queued' AND expires_at > statement_timestamp()"
         )
+        # Never waits: a row a running delivery holds is left to that delivery's end.
         self.drop_queued = (
-            f"DELETE FROM {t} WHERE key = %s AND state = 'queued' "
-            "AND result = convert_to(%s, 'UTF8')"
+            f"DELETE FROM {t} WHERE key = (SELECT key FROM {t} WHERE key = %s "
+            "AND state IN ('queued', 'claimed') AND result = convert_to(%s, 'UTF8') "
+            "FOR UPDATE SKIP LOCKED)"
+        )
+        # Before a claim's BEGIN, in the same flight and committed on its own: the marker is
+        # claimed. Never waits (a row another delivery holds is left alone).
+        self.claim_marker = (
+            f"UPDATE {t} SET state = 'claimed' WHERE key = (SELECT key FROM {t} WHERE key = %s "
+            "AND state = 'queued' AND expires_at > statement_timestamp() "
+            "FOR UPDATE SKIP LOCKED)"
+        )
+        # A claimed marker queued again (a retry was published, Reject(requeue=True)).
+        self.requeue_marker = (
+            f"UPDATE {t} SET state = 'queued', "
+            "expires_at = statement_timestamp() + make_interval(secs => %s) "
+            f"WHERE key = (SELECT key FROM {t} WHERE key = %s AND state = 'claimed' "
+            "AND result = convert_to(%s, 'UTF8') FOR UPDATE SKIP LOCKED)"
         )
         # A plain MVCC read of the catalog (to_regclass may answer from a catalog snapshot
         # taken before a concurrent creator committed).

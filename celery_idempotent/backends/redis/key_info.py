@@ -75,6 +75,21 @@ class KeyInfo:
     queued_task_id: str | None = None
     #: The queued marker's time left (``idempotency_publish_ttl`` at most).
     queued_ttl: float | None = None
+    #: When the queued call was published (epoch seconds, the server's clock), where the
+    #: marker says (``None``: a marker written before issue 22).
+    queued_at: float | None = None
+    #: Whether a delivery ever claimed the key over the marker (``"c"`` claimed now, ``"r"``
+    #: claimed then re-queued), or ``None`` without a marker.
+    queued_claimed: bool | None = None
+    #: The task id of a claimed marker whose delivery's lease has ended without a commit (a
+    #: body that failed, a killed worker): it stands for nothing, the key is free (SPEC §8).
+    dead_marker_task_id: str | None = None
+
+    def queued_age(self, now: float) -> float | None:
+        """Seconds since the queued call was published (``None``: unknown or no marker)."""
+        if self.queued_at is None or self.queued_task_id is None:
+            return None
+        return max(0.0, now - self.queued_at)
 
     @property
     def state(self) -> str:
@@ -127,7 +142,12 @@ class KeyInfo:
             "fence": {"name": self.fence_name, "last": self.last_fence, "ttl": self.fence_ttl},
             "queued": None
             if self.queued_task_id is None
-            else {"task_id": self.queued_task_id, "ttl": self.queued_ttl},
+            else {
+                "task_id": self.queued_task_id,
+                "ttl": self.queued_ttl,
+                "age": self.queued_age(now),
+                "claimed": self.queued_claimed,
+            },
         }
 
 
@@ -149,10 +169,10 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     record: dict[str, Any] | None = None
     layout: str | None = None
     raw: Any = None
-    queued: tuple[str, str | None] | None = None
+    queued: keyspace.Marker | None = None
     if kind == "string" and rec is not None:
         value = rec.encode("utf-8", "surrogateescape") if isinstance(rec, str) else bytes(rec)
-        queued = keyspace.parse_queued(value)
+        queued = keyspace.parse_marker(value)
         try:
             fields = keyspace.decode_record(value, rname)
         except ValueError:
@@ -192,6 +212,10 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
                 "task_id": None,
             }
     lock_token = _text(token)
+    dead: str | None = None
+    if queued is not None and queued.state == keyspace.MARKER_CLAIMED and lock_token is None:
+        # Claimed, and the lock holds no valid lease: the delivery ended without a commit.
+        dead, queued = queued.task_id, None
     lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
     fence_key = _int(fence)
     known = [
@@ -214,6 +238,11 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
         layout=layout,
         lease_fence=lease_fence,
         fence_value=fence_key,
-        queued_task_id=None if queued is None else queued[0],
+        queued_task_id=None if queued is None else queued.task_id,
         queued_ttl=_ttl(rttl) if queued is not None else None,
+        queued_at=None
+        if queued is None or queued.published_ms is None
+        else queued.published_ms / 1000.0,
+        queued_claimed=None if queued is None else queued.ever_claimed,
+        dead_marker_task_id=dead,
     )

@@ -21,10 +21,22 @@ dict of seven entries once any value passes 64 bytes; these abbreviations keep a
 at or below the bytes Powertools' Redis layer spends on one (see the benchmarks).
 
 Before its body has run, a call published through ``apply_async`` leaves a **queued marker**
-under the record's name (issue 12): ``q|<task id>|<fingerprint>``, with ``PX`` =
-``idempotency_publish_ttl``. The claim takes the lock over it and leaves it; the commit replaces
-it with the record in the same ``SET``; a body that fails for good deletes it; a lost message
-lets it expire. So a key is, under its one record name: absent, queued, completed.
+under the record's name (issue 12): ``q|<task id>|<fingerprint>|<published at>|<state>``, with
+``PX`` = ``idempotency_publish_ttl``; ``published at`` is the server's clock in ms, ``state``
+one of :data:`MARKER_STATES` (issue 22, SPEC §8: one life cycle):
+
+- ``q``: published, no delivery has claimed the key yet;
+- ``c``: a delivery claimed the key over it (the claim sets the state, keeping the TTL). From
+  then on the marker lives only as long as that delivery's lease: a claimed marker whose lock
+  holds no valid lease (released without a commit, or run out: a killed worker) stands for
+  nothing, and the publish side, the admin and the claim treat the key as free;
+- ``r``: claimed, then its message went back to the queue (``self.retry()`` published,
+  ``Reject(requeue=True)``): queued again, for ``idempotency_publish_ttl``.
+
+The commit replaces the marker with the record in the same ``SET``; a body that fails for good
+deletes it; a lost message lets it expire. So a key is, under its one record name: absent,
+queued, completed. ``q|<task id>|<fingerprint>`` (written before issue 22) reads as state
+``q`` with no publish time.
 
 Layout v1 (0.1.0) kept the record as a hash with the fields of :data:`V1_RECORD_FIELDS` and a
 fence key for 7 days after every acquisition. A v1 record is still read (the scripts look for
@@ -39,6 +51,10 @@ from typing import NamedTuple
 __all__ = [
     "DEFAULT_SERIALIZER",
     "EXACT_AT",
+    "MARKER_CLAIMED",
+    "MARKER_QUEUED",
+    "MARKER_REQUEUED",
+    "MARKER_STATES",
     "QUEUED_HEAD",
     "RECORD_FIELDS",
     "RECORD_HEAD",
@@ -47,11 +63,13 @@ __all__ = [
     "V1_RECORD_FIELDS",
     "V1_VERSION",
     "DecodedRecord",
+    "Marker",
     "can_mark",
     "decode_record",
     "decode_v1_record",
     "encode_record",
     "lua_list",
+    "parse_marker",
     "parse_queued",
     "queued_value",
     "record_head",
@@ -187,15 +205,50 @@ def can_mark(task_id: str) -> bool:
     return bool(task_id) and SEP not in task_id
 
 
-def queued_value(task_id: str, fingerprint: str | None) -> str:
-    """The queued marker of a call published as ``task_id`` (see :func:`can_mark`)."""
+#: A queued marker's state: published, no delivery claimed it yet.
+MARKER_QUEUED = "q"
+#: A delivery claimed the key over the marker: it lives only while that delivery's lease does.
+MARKER_CLAIMED = "c"
+#: Claimed, then the message went back to the queue (a published retry, a requeue).
+MARKER_REQUEUED = "r"
+#: Every state a queued marker can be in (its last field).
+MARKER_STATES = (MARKER_QUEUED, MARKER_CLAIMED, MARKER_REQUEUED)
+
+
+class Marker(NamedTuple):
+    """A queued marker, parsed (see the module docstring)."""
+
+    task_id: str
+    fingerprint: str | None
+    #: When the call was published, server ms (``None``: a marker from before issue 22).
+    published_ms: int | None
+    #: One of :data:`MARKER_STATES`.
+    state: str
+
+    @property
+    def ever_claimed(self) -> bool:
+        """Whether a delivery has claimed the key over this marker."""
+        return self.state != MARKER_QUEUED
+
+
+def queued_value(
+    task_id: str,
+    fingerprint: str | None,
+    published_ms: int | None = None,
+    state: str = MARKER_QUEUED,
+) -> str:
+    """The queued marker of a call published as ``task_id`` (see :func:`can_mark`); the
+    publish script writes it, with the server's clock."""
     if not can_mark(task_id):
         raise ValueError(f"a queued marker cannot name task id {task_id!r}")
-    return f"{QUEUED_HEAD}{task_id}{SEP}{_clean(fingerprint, 'fingerprint')}"
+    if state not in MARKER_STATES:
+        raise ValueError(f"a queued marker's state is one of {MARKER_STATES}, got {state!r}")
+    fp = _clean(fingerprint, "fingerprint")
+    return f"{QUEUED_HEAD}{task_id}{SEP}{fp}{SEP}{int(published_ms or 0)}{SEP}{state}"
 
 
-def parse_queued(value: bytes | str) -> tuple[str, str | None] | None:
-    """``(task id, fingerprint)`` of a queued marker, or ``None`` when ``value`` is not one."""
+def parse_marker(value: bytes | str) -> Marker | None:
+    """The fields of a queued marker, or ``None`` when ``value`` is not one."""
     if isinstance(value, bytes):
         if not value.startswith(QUEUED_HEAD.encode()):
             return None
@@ -203,8 +256,19 @@ def parse_queued(value: bytes | str) -> tuple[str, str | None] | None:
     text = value
     if not text.startswith(QUEUED_HEAD):
         return None
-    task_id, _, fingerprint = text[len(QUEUED_HEAD) :].partition(SEP)
-    return task_id, fingerprint or None
+    task_id, _, rest = text[len(QUEUED_HEAD) :].partition(SEP)
+    fields = rest.split(SEP)
+    fingerprint = fields[0] or None
+    if len(fields) >= 3 and fields[-1] in MARKER_STATES:
+        published = int(fields[1]) if fields[1].isdigit() and int(fields[1]) > 0 else None
+        return Marker(task_id, fingerprint, published, fields[-1])
+    return Marker(task_id, fingerprint, None, MARKER_QUEUED)
+
+
+def parse_queued(value: bytes | str) -> tuple[str, str | None] | None:
+    """``(task id, fingerprint)`` of a queued marker, or ``None`` when ``value`` is not one."""
+    marker = parse_marker(value)
+    return None if marker is None else (marker.task_id, marker.fingerprint)
 
 
 def decode_v1_record(values: list[bytes | str | None]) -> DecodedRecord:

@@ -6,9 +6,14 @@ broker's push in the same step, and the queued marker's removal (see
 from __future__ import annotations
 
 from celery_idempotent import keyspace
-from celery_idempotent.backends.redis.scripts import SEP
+from celery_idempotent.backends.redis.scripts import LUA_LEASE_VALID, LUA_MARKER, SEP
 
-__all__ = ["DROP_QUEUED", "PUBLISH", "PUBLISH_AND_PUSH"]
+__all__ = [
+    "DROP_QUEUED",
+    "PUBLISH",
+    "PUBLISH_AND_PUSH",
+    "REQUEUE_MARKER",
+]
 
 # KEYS[1] record  KEYS[2] lock   ARGV[1] task id  ARGV[2] fingerprint ('' for none)
 # ARGV[3] publish ttl ms  ARGV[4] "started" (idempotency_publish_until="started"), else ''
@@ -25,7 +30,10 @@ __all__ = ["DROP_QUEUED", "PUBLISH", "PUBLISH_AND_PUSH"]
 # stops a publish only while it is queued: the claim of its delivery ended its marker (CLAIM's
 # ARGV[3]), so a marker is a call that has not started; a running call without one gets a
 # marker for this call (one running, one queued), and a record ({2}, {3}) is published past
-# as {7} (the worker replays it while it lives).
+# as {7} (the worker replays it while it lives). A marker a delivery claimed (state 'c') lives
+# only while the lock holds a valid lease: after it (a body that ended without a commit, a
+# killed worker) it stands for nothing and is replaced (SPEC §8).
+# The marker written: "q|<ARGV[1]>|<ARGV[2]>|<server ms>|q".
 PUBLISH = (
     """
 local got = redis.call('mget', KEYS[1], KEYS[2])
@@ -52,16 +60,21 @@ if rec then
   if head ~= '"""
     + keyspace.QUEUED_HEAD
     + """' then return {7} end
-  local cut = string.find(rec, '"""
-    + keyspace.SEP
-    + """', 3, true)
-  if not cut then return {7} end
-  local tid, fp = string.sub(rec, 3, cut - 1), string.sub(rec, cut + 1)
-  if tid == ARGV[1] then return {1} end
-  if fp ~= '' and ARGV[2] ~= '' and fp ~= ARGV[2] then return {5, tid, fp} end
-  local running = 0
-  if not started and live() then running = 1 end
-  return {6, tid, running, redis.call('pttl', KEYS[1])}
+"""
+    + LUA_MARKER
+    + """
+  if not tid then return {7} end
+  local alive = true
+  if st == '"""
+    + keyspace.MARKER_CLAIMED
+    + """' then alive = live() end
+  if alive then
+    if tid == ARGV[1] then return {1} end
+    if fp ~= '' and ARGV[2] ~= '' and fp ~= ARGV[2] then return {5, tid, fp} end
+    local running = 0
+    if not started and live() then running = 1 end
+    return {6, tid, running, redis.call('pttl', KEYS[1])}
+  end
 elseif redis.call('exists', KEYS[1]) == 1 then
   if started then return {7} end
   local v1 = redis.pcall('hmget', KEYS[1], """
@@ -71,11 +84,18 @@ elseif redis.call('exists', KEYS[1]) == 1 then
   return {7}
 end
 if live() and not started then return {7} end
+local t = redis.call('time')
+local pms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('set', KEYS[1], '"""
     + keyspace.QUEUED_HEAD
     + """' .. ARGV[1] .. '"""
     + keyspace.SEP
-    + """' .. ARGV[2], 'PX', ARGV[3])
+    + """' .. ARGV[2] .. '"""
+    + keyspace.SEP
+    + """' .. string.format('%d', pms) .. '"""
+    + keyspace.SEP
+    + keyspace.MARKER_QUEUED
+    + """', 'PX', ARGV[3])
 return {1}
 """
 )
@@ -95,8 +115,10 @@ return r
 """
 )
 
-# KEYS[1] record   ARGV[1] task id
+# KEYS[1] record  [KEYS[2] lock]   ARGV[1] task id
 # -> 1 when the record name held ARGV[1]'s queued marker and it is deleted, else 0
+# With KEYS[2]: a marker a delivery claimed is kept while that delivery's lease is valid (a
+# revoked redelivery must not end the marker of the delivery that runs the body).
 DROP_QUEUED = (
     """
 local mine = '"""
@@ -106,8 +128,46 @@ local mine = '"""
     + """'
 local rec = redis.pcall('get', KEYS[1])
 if type(rec) == 'string' and string.sub(rec, 1, #mine) == mine then
+  if KEYS[2] then
+"""
+    + LUA_MARKER
+    + """
+    if st == '"""
+    + keyspace.MARKER_CLAIMED
+    + """' then
+      local held = redis.call('get', KEYS[2])
+"""
+    + LUA_LEASE_VALID
+    + """
+      if valid then return 0 end
+    end
+  end
   return redis.call('del', KEYS[1])
 end
 return 0
+"""
+)
+
+# KEYS[1] record   ARGV[1] task id  ARGV[2] publish ttl ms
+# -> 1 when the record name held ARGV[1]'s queued marker, now in state 'r' (re-queued: its
+#    message went back to the queue, a published retry or a requeue) for ARGV[2] ms; else 0.
+# Called by the delivery that claimed it, while its lease is still valid: no publish can see
+# the marker dead in between.
+REQUEUE_MARKER = (
+    """
+local mine = '"""
+    + keyspace.QUEUED_HEAD
+    + """' .. ARGV[1] .. '"""
+    + keyspace.SEP
+    + """'
+local rec = redis.pcall('get', KEYS[1])
+if type(rec) ~= 'string' or string.sub(rec, 1, #mine) ~= mine then return 0 end
+"""
+    + LUA_MARKER
+    + """
+redis.call('set', KEYS[1], mbase .. '"""
+    + keyspace.MARKER_REQUEUED
+    + """', 'PX', ARGV[2])
+return 1
 """
 )

@@ -92,7 +92,8 @@ def scan_names(
 
     ``kind`` is ``"record"``, ``"lock"`` (a held one: the tombstone a lease leaves when it
     ends is skipped, it expires by itself) or ``"fence"``; the task is ``"(shortened)"`` for a
-    shortened key whose head ends before its kind marker, ``"(no task)"`` for a key that is
+    shortened key whose head ends before the end of its kind marker (counted in
+    ``scan.unattributed``, and never yielded for a ``task``), ``"(no task)"`` for a key that is
     not task-namespaced (a guard used directly).
     """
     tagged = None if task is None else tagged_task(task)
@@ -109,11 +110,13 @@ def scan_names(
             continue
         owner = task_of_slot(slot)
         shortened = SHORTENED_MARK in slot
-        if owner is None and shortened and tagged is not None:
-            if slot.partition(SHORTENED_MARK)[0].startswith(tagged + ":"):
-                owner = tagged  # the head ends inside the kind marker: still this task's
-            else:
-                scan.unattributed += 1
+        if owner is None and shortened:
+            # A shortened name is a task's only when its head holds the whole namespace and
+            # kind marker (``<task>:<kind>:``). A head that ends inside them (``<task>:ke``,
+            # or ``<task>:v2:ar`` of a task named ``<task>:v2``) may be another task's: it is
+            # counted as unattributed and left alone (issue 22).
+            scan.unattributed += 1
+            if tagged is not None:
                 continue
         if tagged is not None and owner != tagged:
             continue

@@ -24,6 +24,8 @@ __all__ = [
     "END",
     "EXTEND",
     "HOLDER",
+    "LUA_LEASE_VALID",
+    "LUA_MARKER",
     "LUA_TIME",
     "MARGIN",
     "RELEASE",
@@ -150,6 +152,44 @@ _TOMBSTONE = """
 redis.call('set', KEYS[1], '0{sep}' .. ARGV[1], 'PX', {px})
 """.replace("{sep}", SEP).replace("{px}", lua_lock_px("f", "0"))
 
+# Parses queued marker rec ("q|<task id>|<fingerprint>[|<published ms>|<state>]", see
+# celery_idempotent.backends.redis.layout): sets tid, fp, st (the state, 'q' for a marker from
+# before the states) and mbase (the marker without its state, for rewriting it); tid is false
+# when rec is not a well-formed marker.
+LUA_MARKER = """
+local tid, fp, st, mbase = false, '', 'q', false
+local cut = string.find(rec, '{sep}', 3, true)
+if cut then
+  tid = string.sub(rec, 3, cut - 1)
+  local rest = string.sub(rec, cut + 1)
+  local c2 = string.find(rest, '{sep}', 1, true)
+  if c2 then
+    fp = string.sub(rest, 1, c2 - 1)
+    st = string.sub(rest, -1)
+    mbase = string.sub(rec, 1, -2)
+  else
+    fp = rest
+    mbase = rec .. '{sep}0{sep}'
+  end
+end
+""".replace("{sep}", keyspace.SEP)
+
+# Sets valid: whether lock value `held` (a string or false) is a valid lease now: a lock
+# without a deadline (0.1.0's) is held while its key exists; a tombstone is not valid.
+LUA_LEASE_VALID = """
+local valid = false
+if held then
+  local a = string.find(held, '{sep}', 1, true)
+  local d = a and tonumber(string.sub(held, 1, a - 1))
+  if not d then
+    valid = true
+  else
+    local t = redis.call('time')
+    valid = d * 1000 > tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+end
+""".replace("{sep}", SEP)
+
 # KEYS[1] lock  KEYS[2] fence   ARGV[1] token  ARGV[2] lease ms
 # -> fencing token (a string) when taken (or already held by this very token), 0 when held
 ACQUIRE = (
@@ -180,7 +220,8 @@ return fs
 #                         (a hash without a v1 version field is taken over, as 0.1.0 did)
 # -> {4, value}           the lock was free and the record name holds another string
 # A queued marker (a call published but not run yet) is not a record: the lock is taken over
-# it, and the marker stays until the commit replaces it.
+# it, and the marker stays until the commit replaces it, in state 'c' (claimed, its TTL kept):
+# from then on it lives only while a valid lease holds the lock (SPEC §8, layout.py).
 # A key of another type (a list, ...) under the record name fails with WRONGTYPE.
 # The server clock is read only when there is a lock to judge or one to take.
 CLAIM = (
@@ -217,13 +258,19 @@ if not now then
     + "end\n"
     + _take("KEYS[3]")
     + """
-if rec and ARGV[3] and ARGV[3] ~= '' then
-  local mine = '"""
-    + keyspace.QUEUED_HEAD
-    + """' .. ARGV[3] .. '"""
-    + keyspace.SEP
-    + """'
-  if string.sub(rec, 1, #mine) == mine then redis.call('del', KEYS[2]) end
+if rec then
+"""
+    + LUA_MARKER
+    + """
+  if tid and ARGV[3] and ARGV[3] ~= '' and tid == ARGV[3] then
+    redis.call('del', KEYS[2])
+  elseif tid and st ~= '"""
+    + keyspace.MARKER_CLAIMED
+    + """' then
+    redis.call('set', KEYS[2], mbase .. '"""
+    + keyspace.MARKER_CLAIMED
+    + """', 'KEEPTTL')
+  end
 end
 return {1, fs}
 """

@@ -17,6 +17,7 @@ from typing import Any
 from celery_idempotent import keyspace
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import errors as redis_errors
+from celery_idempotent.backends.redis import lean as redis_lean
 from celery_idempotent.backends.redis import publish_scripts as redis_publish_scripts
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.backends.redis.locks import RedisLockProvider
@@ -99,6 +100,18 @@ class RedisIdempotencyStore:
         self._publish = self.client.register_script(redis_publish_scripts.PUBLISH)
         self._publish_and_push = self.client.register_script(redis_publish_scripts.PUBLISH_AND_PUSH)
         self._drop_queued = self.client.register_script(redis_publish_scripts.DROP_QUEUED)
+        self._requeue_marker = self.client.register_script(redis_publish_scripts.REQUEUE_MARKER)
+        # The claim, commit and publish scripts' transport (see backends/redis/lean.py); None:
+        # through the client (Cluster, a blocking pool, an instrumented client ...).
+        self._lean = redis_lean.lean_for(self.client)
+
+    def run_script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """``script(keys=keys, args=args)`` (a script registered on this store's client), on
+        the lean path when the client can take it: the same reply, the same errors."""
+        lean = self._lean
+        if lean is None:
+            return script(keys=keys, args=args)
+        return lean(script, keys, args)
 
     def __repr__(self) -> str:
         wait = f", wait_replicas={self.wait_replicas}" if self.wait_replicas else ""
@@ -283,9 +296,11 @@ class RedisIdempotencyStore:
         ]
         with redis_errors.translate_errors(record, "publish check"):
             if push is None:
-                reply = self._publish(keys=[record, lock], args=args)
+                reply = self.run_script(self._publish, [record, lock], args)
             else:
-                reply = self._publish_and_push(keys=[record, lock, push[0]], args=[*args, push[1]])
+                reply = self.run_script(
+                    self._publish_and_push, [record, lock, push[0]], [*args, push[1]]
+                )
         status = int(reply[0])
         if status == 1:
             return PublishDecision("publish")
@@ -313,11 +328,21 @@ class RedisIdempotencyStore:
             )
         return PublishDecision("publish", unchecked=True)
 
-    def drop_queued(self, record: str, task_id: str) -> bool:
+    def drop_queued(self, record: str, task_id: str, *, lock: str | None = None) -> bool:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
-        (committed since, expired, or another call's)."""
+        (committed since, expired, or another call's). With ``lock`` (the key's lock name), a
+        marker that a delivery claimed is kept while that delivery's lease is valid."""
+        keys = [record] if lock is None else [record, lock]
         with redis_errors.translate_errors(record, "queued marker delete"):
-            return bool(self._drop_queued(keys=[record], args=[task_id]))
+            return bool(self.run_script(self._drop_queued, keys, [task_id]))
+
+    def requeue_marker(self, record: str, task_id: str, publish_ttl: float) -> bool:
+        """Put ``task_id``'s claimed marker back to queued (state ``r``) for ``publish_ttl``
+        seconds: its message went back to the queue (a published retry, a requeue). Called
+        by the claiming delivery while its lease is valid. ``False``: no such marker."""
+        args: list[Any] = [task_id, redis_client.ms(publish_ttl)]
+        with redis_errors.translate_errors(record, "queued marker requeue"):
+            return bool(self.run_script(self._requeue_marker, [record], args))
 
     # -- pairing ----------------------------------------------------------------------------
 
@@ -387,7 +412,7 @@ class RedisAtomicBackend:
                 if self.store.wait_replicas:
                     reply, acked = self.store.eval_and_wait(self._claim, keys, args)
                 else:
-                    reply = self._claim(keys=keys, args=args)
+                    reply = self.store.run_script(self._claim, keys, args)
             except UnicodeDecodeError as exc:  # only a found record carries a payload
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
@@ -428,7 +453,7 @@ class RedisAtomicBackend:
             args = [lease.token, record.task_id or "", lease.fencing_token]
         with redis_errors.translate_errors(key, "commit"):
             if not self.store.wait_replicas:
-                return bool(script(keys=keys, args=args))
+                return bool(self.store.run_script(script, keys, args))
             reply, acked = self.store.eval_and_wait(script, keys, args)
         if reply:
             self.store.check_replicated(key, acked, "commit")

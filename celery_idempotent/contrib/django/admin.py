@@ -132,6 +132,8 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):
     def shown_state(self, obj: IdempotencyKey) -> str:
         if getattr(obj, "held", False):
             return "running"
+        if obj.state == "claimed":  # a delivery claimed its marker and has ended since
+            return "free (claimed by an ended delivery)"
         if obj.ttl_left() <= 0:
             return f"expired ({obj.state})"
         return obj.state
