@@ -139,7 +139,11 @@ class IdempotencySettings:
     #: seconds a "queued" marker set at publish lives at most (counted from the message's due
     #: time for a ``countdown``/``eta``): a message no worker ever claims (lost by the broker)
     #: blocks its key's publishes for no longer than this. Once a delivery claims the key, the
-    #: marker lives only as long as that delivery's lease (on Redis).
+    #: marker lives only as long as that delivery's lease (on Redis). 3600 s is kombu's
+    #: default Redis ``visibility_timeout``: a message a killed worker had prefetched, never
+    #: claimed, comes back after it (measured by ``python -m benchmarks.publish_ttl``). A
+    #: shorter TTL costs at most an extra message per identical publish, which the worker
+    #: replays; a longer one keeps a lost message's key blocked longer.
     idempotency_publish_ttl: float = setting(3600, check_duration)
     #: how long a published call stops a duplicate publish: ``"completed"`` (while it is
     #: queued, running or completed) or ``"started"`` (only while it is queued: its delivery's

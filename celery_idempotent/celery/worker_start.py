@@ -35,6 +35,7 @@ __all__ = [
     "check_beat_schedule",
     "check_delivery",
     "check_eviction",
+    "check_mysql",
     "check_namespaces",
     "check_pool",
     "check_postgres",
@@ -361,6 +362,38 @@ def check_postgres(app: Any, tasks: list[Resolved]) -> list[str]:
     return messages
 
 
+@applies_to("mysql")
+def check_mysql(app: Any, tasks: list[Resolved]) -> list[str]:
+    """Each MySQL backend of the tasks answers (``mysql://``; ``django://`` on Django's MySQL
+    engine is checked by :func:`check_postgres`, which reads Django's alias): a server that
+    does not answer, or PyMySQL missing, is an ERROR now rather than at the first call."""
+    from celery_idempotent.urls import redact  # noqa: PLC0415
+
+    seen: dict[str, list[str]] = {}
+    for name, _, cfg in tasks:
+        seen.setdefault(cfg.backend_url, []).append(name)
+    messages: list[str] = []
+    for url, names in seen.items():
+        try:
+            from celery_idempotent.backends.mysql import MySQLBackend  # noqa: PLC0415
+
+            backend = MySQLBackend(url)
+            conn = backend._connect()
+            try:
+                backend._flight(conn, [("SELECT 1", ())])
+            finally:
+                conn.close()
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            messages.append(
+                StartupError(
+                    f"the idempotency MySQL at {redact(url)} is unreachable: "
+                    f"{text[0] if text else type(exc).__name__} (tasks {', '.join(names)})"
+                )
+            )
+    return messages
+
+
 def check_delivery(app: Any, tasks: list[Resolved]) -> list[str]:
     """Tasks whose message is acknowledged so that a killed worker loses the call (see
     :func:`celery_idempotent.celery.checks.delivery_warnings`)."""
@@ -386,6 +419,7 @@ STARTUP_CHECKS: list[Callable[[Any, list[Resolved]], list[str]]] = [
     check_eviction,
     check_replicas,
     check_postgres,
+    check_mysql,
 ]
 
 

@@ -152,11 +152,11 @@ class DuplicatePublishError(IdempotencyError):
 
     ``task_id`` is the id of the first call's task (``None`` when it is not known: a record
     written by 0.1.0). ``state`` is what that call is: ``"queued"``, ``"running"`` or
-    ``"completed"`` (the SQL backends cannot see a running body's row: ``"queued"``).
-    ``ttl_left`` is how many seconds at most the key stays blocked: the record's time left
-    (completed), or the queued marker's (queued, running; it ends sooner when the call ends
-    without a record: a failure, ``idempotency_ttl=0``); ``None`` when not known (a record of
-    0.1.0, one without a TTL, the SQL backends).
+    ``"completed"``. ``ttl_left`` is how many seconds at most the key stays blocked: the
+    record's time left (completed), or the queued marker's (queued; it ends sooner when the
+    call runs and ends without a record: a failure, ``idempotency_ttl=0``); ``None`` when not
+    known (a running call, whose marker lives as long as its lease; a record of 0.1.0, one
+    without a TTL; a backend that does not say).
     """
 
     key: str | None = None

@@ -227,7 +227,7 @@ class DistributedIdempotencyGuard:
         with the result (``IdempotencyRecord.task_id``). ``ttl``: this call's record TTL in
         seconds, instead of the guard's (a per-call ``idempotency_ttl``).
         """
-        record_ttl = self.ttl if ttl is None else check_duration("ttl", ttl)
+        record_ttl = self.ttl if ttl is None else check_ttl("ttl", ttl)
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
         if not key:

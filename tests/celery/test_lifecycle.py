@@ -384,6 +384,20 @@ def row_terminated(lc: ModuleType) -> Cell:
     return cell
 
 
+def row_soft_limit(lc: ModuleType) -> Cell:
+    t = _tag()
+    first = lc.soft_limit.delay(t)
+    with pytest.raises(Exception, match=r"SoftTimeLimitExceeded|imit"):
+        first.get(timeout=TIMEOUT)
+    # The table's bound is lock_ttl; the exception reaches the guard, so the key frees at once.
+    key = _wait_state(lc.soft_limit, (t,), "absent", timeout=lc.LOCK_TTL + 10)
+    again = lc.soft_limit.delay(t)
+    _wait(lambda: lc.count("soft_limit", t) == 2)
+    cell = Cell(1, "free within lock_ttl" if key == "absent" else key, _got(first, again, True))
+    assert cell == Cell(1, "free within lock_ttl", "ran")
+    return cell
+
+
 def row_hard_limit(lc: ModuleType) -> Cell:
     t = _tag()
     first = lc.hard_limit.delay(t)
@@ -460,6 +474,7 @@ ROWS = [
     "revoked before claimed",
     "expired before claimed",
     "revoked terminate=True",
+    "soft time limit that escapes",
     "hard time limit",
     "worker child killed mid-body",
     "never delivered (lost by the broker)",
@@ -478,9 +493,10 @@ _RUN: dict[str, Callable[[ModuleType, str, str], Cell]] = {
     ROWS[9]: lambda lc, b, a: row_revoked(lc),
     ROWS[10]: lambda lc, b, a: row_expired(lc),
     ROWS[11]: lambda lc, b, a: row_terminated(lc),
-    ROWS[12]: lambda lc, b, a: row_hard_limit(lc),
-    ROWS[13]: lambda lc, b, a: row_child_killed(lc, a),
-    ROWS[14]: lambda lc, b, a: row_never_delivered(lc, b),
+    ROWS[12]: lambda lc, b, a: row_soft_limit(lc),
+    ROWS[13]: lambda lc, b, a: row_hard_limit(lc),
+    ROWS[14]: lambda lc, b, a: row_child_killed(lc, a),
+    ROWS[15]: lambda lc, b, a: row_never_delivered(lc, b),
 }
 
 

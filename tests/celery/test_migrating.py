@@ -765,3 +765,15 @@ def test_ttl_zero_composes_with_store_errors_and_eager_calls() -> None:
     finally:
         reset_backends()
         app.close()
+
+
+def test_ttl_zero_per_call(mig: ModuleType, worker: WorkerGroup) -> None:
+    """``apply_async(..., idempotency_ttl=0)`` (a per-call option, SPEC §8): this call's
+    result is not kept, so the same call runs again; the task's own TTL still holds for
+    calls without the option."""
+    t = tag()
+    assert mig.default.apply_async((t, 0.0), idempotency_ttl=0).get(timeout=TIMEOUT)["run"] == 1
+    assert mig.default.apply_async((t, 0.0), idempotency_ttl=0).get(timeout=TIMEOUT)["run"] == 2
+    assert mig.default.delay(t, 0.0).get(timeout=TIMEOUT)["run"] == 3  # kept this time
+    assert isinstance(mig.default.delay(t, 0.0), EagerResult)  # replayed at publish
+    assert mig.count("default", t) == 3

@@ -169,7 +169,7 @@ def login(driver: Any, base: str, user: str, password: str) -> None:
     step(f"logged in as {user!r}: landed on {CHANGELIST}")
 
 
-def test_log_in_filter_forget_a_key_and_a_viewer_cannot(site: dict[str, Any], browser: Any) -> None:
+def test_log_in_filter_forget_a_key_and_a_viewer_cannot(browser: Any, site: dict[str, Any]) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 

@@ -96,7 +96,7 @@ def test_publish_until_started_is_refused_on_postgres(postgres_url: str) -> None
 
 def test_duplicate_publish_error_on_postgres(postgres_url: str, pg_table: str) -> None:
     """``DuplicatePublishError.state`` / ``.ttl_left`` through the PostgreSQL publish side:
-    ``"queued"`` (a running body's row is not visible to it) and no time left known."""
+    ``"queued"``, and the marker's time left."""
     from celery import Celery
 
     from celery_idempotent import DuplicatePublishError, IdempotentTask
@@ -115,7 +115,8 @@ def test_duplicate_publish_error_on_postgres(postgres_url: str, pg_table: str) -
         with pytest.raises(DuplicatePublishError) as caught:
             job.apply_async((1,))
         assert (caught.value.task_id, caught.value.state) == (first.id, "queued")
-        assert caught.value.ttl_left is None
+        assert caught.value.ttl_left is not None
+        assert 3590 < caught.value.ttl_left <= 3600
     finally:
         reset_backends()
         app.close()

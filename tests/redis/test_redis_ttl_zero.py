@@ -34,6 +34,12 @@ def guard_on(
     )
 
 
+def queued_id(value: bytes | None) -> str | None:
+    """The task id of the queued marker ``value``, or ``None`` (gone, or not a marker)."""
+    parsed = None if value is None else keyspace.parse_queued(value)
+    return None if parsed is None else parsed[0]
+
+
 def marker(task_id: str, fingerprint: str = "") -> str:
     return f"{keyspace.QUEUED_HEAD}{task_id}{keyspace.SEP}{fingerprint}"
 
@@ -70,7 +76,9 @@ def test_end_deletes_the_deliverys_own_marker_only(
     rkey = guard.record_key("other")
     redis_client.set(rkey, marker("t-queued"), px=60_000)  # another call, queued meanwhile
     guard.run("other", lambda: 1, task_id="t-running")
-    assert redis_client.get(rkey) == marker("t-queued").encode()
+    # Kept (it names a message still queued); the claim marked it claimed (issue 22's life
+    # cycle: it lives on only while a valid lease holds the lock).
+    assert queued_id(redis_client.get(rkey)) == "t-queued"
 
 
 def test_end_resent_after_a_lost_reply_reports_success(
@@ -123,14 +131,14 @@ def test_claim_in_started_mode_ends_its_own_marker(
     with claims_end_marker("t1"):
         guard.run("s2", lambda: None, task_id="t1")  # another key: nothing to end
         guard.run("s", lambda: seen.append(redis_client.get(rkey)), task_id="t1")
-    assert seen == [marker("t-other").encode()]
+    assert [queued_id(v) for v in seen] == ["t-other"]  # another call's marker: not ended
     # Outside the block a claim leaves markers alone (idempotency_publish_until="completed").
     rkey3 = guard.record_key("c")
     redis_client.set(rkey3, marker("t3"), px=60_000)
     guard_ttl0 = guard_on(redis_client, key_prefix, ttl=0)
     seen.clear()
     guard_ttl0.run("c", lambda: seen.append(redis_client.get(rkey3)), task_id="t3")
-    assert seen == [marker("t3").encode()]  # kept while the body runs: the call is running
+    assert [queued_id(v) for v in seen] == ["t3"]  # kept while the body runs: it is running
     assert redis_client.get(rkey3) is None  # and ended with it
 
 
@@ -147,7 +155,7 @@ def test_publish_decision_says_state_and_time_left(
     lease = provider.acquire(res, 10)  # t1's delivery claims: running
     assert lease is not None
     running = store.check_publish(rkey, res, "t2", None, 30)
-    assert (running.state, running.task_id) == ("running", "t1")
+    assert (running.state, running.task_id, running.ttl_left) == ("running", "t1", None)
     # "started": the running call's marker (here still there: a claim outside the mode) is
     # read as queued; once it is gone, the publish queues one more and the next is stopped.
     assert store.check_publish(rkey, res, "t2", None, 30, until="started").state == "queued"

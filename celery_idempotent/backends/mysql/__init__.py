@@ -42,7 +42,7 @@ and 1 to commit, the same two a plain ``START TRANSACTION ... COMMIT`` costs; a 
 a completed key 2 (claim, ROLLBACK).
 
 **Differences from PostgreSQL** (documented in docs/mysql.md, tested in tests/mysql):
-``lock_timeout`` is whole seconds (default 1); keys are at most 700 characters; the server
+``lock_timeout`` is whole seconds (default 1); row names are at most 700 characters; the server
 ends a silent (cut-off) worker's session, and its row locks, only when its own TCP keepalive
 (the OS's, or MariaDB's ``tcp_keepalive_time``) or ``wait_timeout`` notices, not after 25 s
 as the PostgreSQL backend configures per session; connections accept several statements per

@@ -44,6 +44,12 @@ log = logging.getLogger("celery_idempotent")
 #: has no per-session setting on MySQL: see the backend's documentation.
 KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
 IN_TRANS = 1  # SERVER_STATUS_IN_TRANS
+AUTOCOMMIT = 2  # SERVER_STATUS_AUTOCOMMIT
+#: ``COM_RESET_CONNECTION`` (MySQL 5.7+, MariaDB 10.2.4+): the session as it was at connect
+#: time (session variables, user variables, temporary tables, user locks, prepared
+#: statements), the connection kept. Sent after the guard's COMMIT or ROLLBACK on a connection
+#: the body was handed, written right behind it: the same flight.
+COM_RESET_CONNECTION = 0x1F
 #: URL query parameters handed to PyMySQL (the backend's own, ``table`` and
 #: ``lock_timeout``, are taken out before).
 DRIVER_PARAMS = {
@@ -236,7 +242,12 @@ class PyMySQLTransactions:
         return conn
 
     def _put(self, conn: Any) -> None:
-        usable = conn.open and not in_transaction(conn) and self._pid == os.getpid()
+        usable = (
+            conn.open
+            and not in_transaction(conn)
+            and getattr(conn, "server_status", 0) & AUTOCOMMIT
+            and self._pid == os.getpid()
+        )
         if usable:
             with self._lock:
                 if len(self._idle) < self.max_idle:
@@ -291,6 +302,46 @@ class PyMySQLTransactions:
             cur.close()
         return results
 
+    @staticmethod
+    def _flight_and_reset(conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """:meth:`_flight`, with ``COM_RESET_CONNECTION`` written right behind the query (one
+        flight): whatever session state the body left (``SET SESSION``, user variables,
+        temporary tables, ``GET_LOCK``) does not reach the next body on this connection.
+        The reset runs whether a statement failed or not; its error closes the connection."""
+        pymysql = import_pymysql()
+        cur = conn.cursor()
+        try:
+            text = ";\n".join(cur.mogrify(sql, tuple(params) or None) for sql, params in statements)
+        finally:
+            cur.close()
+        conn._execute_command(pymysql.constants.COMMAND.COM_QUERY, text)
+        conn._execute_command(COM_RESET_CONNECTION, b"")
+        conn._next_seq_id = 1
+        results: list[Any] = []
+        failed: BaseException | None = None
+        try:
+            while True:
+                conn._read_query_result()
+                found = conn._result
+                results.append(found.affected_rows if found.description is None else found.rows)
+                if not found.has_next:
+                    break
+        except pymysql.err.MySQLError as exc:  # the server ran no statement after it
+            failed = exc
+        try:
+            conn._next_seq_id = 1
+            packet = conn._read_packet()  # the reset's OK (an error packet raises)
+            conn.server_status = pymysql.protocol.OKPacketWrapper(packet).server_status
+            conn._result = None
+        except Exception:
+            log.debug("resetting a MySQL session failed; closing it", exc_info=True)
+            conn.close()
+            if failed is None:
+                raise
+        if failed is not None:
+            raise failed
+        return results
+
     def _send(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
         """:meth:`_flight` on a connection outside a transaction of the guard's; on error
         whatever it opened is rolled back, and a lost connection raised as
@@ -314,12 +365,14 @@ class PyMySQLTransactions:
             return False
         return isinstance(exc, pymysql.err.InterfaceError) or not conn.open or (code or 0) >= 2000
 
-    def _end(self, conn: Any, *, commit: bool) -> None:
-        """End whatever is open (closing the connection when that fails), then pool it."""
+    def _end(self, conn: Any, *, commit: bool, reset: bool = False) -> None:
+        """End whatever is open (closing the connection when that fails), then pool it;
+        ``reset``: the session too (the body was handed the connection)."""
         try:
             if conn.open:
                 end = "COMMIT" if commit else "ROLLBACK"
-                self._flight(conn, [(end, ()), (self.sql.wait_reset, ())])
+                flight = self._flight_and_reset if reset else self._flight
+                flight(conn, [(end, ()), (self.sql.wait_reset, ())])
         except Exception:
             log.debug("ending the transaction failed; closing the connection", exc_info=True)
             self._close(conn)
@@ -353,8 +406,9 @@ class PyMySQLTransactions:
                 # whatever it committed is not this commit's to vouch for.
                 raise RuntimeError("the guard's transaction was ended inside the body")
             statements = [*statements, ("COMMIT", ())]
+        flight = self._flight_and_reset if commit and tx.lent else self._flight
         try:
-            results = self._flight(conn, statements)
+            results = flight(conn, statements)
         except Exception as exc:
             if self._connection_lost(conn, exc):
                 raise ConnectionError(f"MySQL: {exc}") from exc
@@ -363,7 +417,7 @@ class PyMySQLTransactions:
 
     def _rollback(self, tx: Transaction) -> None:
         tx.conn.celery_idem_guarded = False
-        self._end(tx.conn, commit=False)
+        self._end(tx.conn, commit=False, reset=tx.lent)
 
     def _finish(self, tx: Transaction) -> None:
         self._put(tx.conn)

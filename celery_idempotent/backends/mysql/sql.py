@@ -257,8 +257,7 @@ class Statements:
             f"WHERE `key` = %s AND state = 'queued' AND expires_at > {now}"
         )
         self.drop_queued = (
-            f"DELETE FROM {t} WHERE `key` = %s AND state = 'queued' "
-            "AND result = CAST(%s AS BINARY)"
+            f"DELETE FROM {t} WHERE `key` = %s AND state = 'queued' AND result = CAST(%s AS BINARY)"
         )
         self.schema = schema.rstrip(".")
         self.exists = (

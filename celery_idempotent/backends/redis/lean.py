@@ -168,6 +168,7 @@ class LeanScripts:
             # close them (redis-py's pool does the same after a fork).
             self._free = []
             self._held = 0
+            self._lock = threading.Lock()  # another thread may have held it at the fork
             self._pid = os.getpid()
         free = self._free
         try:

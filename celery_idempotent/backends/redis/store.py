@@ -320,11 +320,13 @@ class RedisIdempotencyStore:
         if status == 5:
             return PublishDecision("mismatch", _text(reply[1]), None, _text(reply[2]))
         if status == 6:
+            # A running call's marker lives as long as its lease (renewed): no time is known.
+            running = bool(int(reply[2]))
             return PublishDecision(
                 "queued",
                 _text(reply[1]),
-                state="running" if int(reply[2]) else "queued",
-                ttl_left=_seconds_left(reply[3]),
+                state="running" if running else "queued",
+                ttl_left=None if running else _seconds_left(reply[3]),
             )
         return PublishDecision("publish", unchecked=True)
 

@@ -145,6 +145,14 @@ def sleeps(tag: str, seconds: float) -> str:
     return f"{tag}:slept"
 
 
+@_task("soft_limit", soft_time_limit=1)
+def soft_limit(tag: str) -> str:
+    """Does not catch ``SoftTimeLimitExceeded``: it escapes the body."""
+    bump("soft_limit", tag)
+    time.sleep(5)
+    return "never"
+
+
 @_task("hard_limit", time_limit=1)
 def hard_limit(tag: str) -> str:
     bump("hard_limit", tag)

@@ -4,8 +4,9 @@ sidekiq-unique-jobs' documented scenarios, each task configured with the mapping
 
 Configured from the environment like ``publish_app``: ``MIG_REDIS_URL`` (broker, result
 backend, idempotency store), ``MIG_PREFIX`` (every key of the session), ``MIG_QUEUE`` (the
-default queue). Bodies count their runs in Redis (``INCR``) and log when they ran
-(``RPUSH`` of ``start|end``), so a test sees how often and whether two ever overlapped.
+default queue), ``MIG_BROKER_URL`` (another broker, optional). Bodies count their runs in
+Redis (``INCR``) and log when they ran (``RPUSH`` of ``start|end``), so a test sees how often
+and whether two ever overlapped.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ QUEUE = os.environ.get("MIG_QUEUE", "mig")
 #: The "time frame" of celery-singleton's lock_expiry scenario, as idempotency_window.
 FRAME = 2.0
 
+#: The broker: the same Redis unless ``MIG_BROKER_URL`` names another (RabbitMQ: the publish
+#: side then checks before kombu publishes, instead of in kombu's Redis push).
+BROKER = os.environ.get("MIG_BROKER_URL") or URL
+
 app.conf.update(
-    broker_url=URL,
+    broker_url=BROKER,
     result_backend=URL,
     task_default_queue=QUEUE,
     broker_transport_options={"global_keyprefix": f"{PREFIX}kombu:"},
@@ -40,6 +45,7 @@ app.conf.update(
     accept_content=["json"],
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
+    idempotency_url=URL,
     idempotency_key_prefix=f"{PREFIX}idem:",
     # A duplicate delivery re-queued while the first runs comes back soon.
     idempotency_retry_count=1,
