@@ -1,7 +1,9 @@
 """The life-cycle matrix of SPEC §8 (issue 22): one row per way a message can end, one column
 per ack mode (Celery's default early ack; ``acks_late``; ``acks_late`` +
 ``task_reject_on_worker_lost``), on the Redis broker and on RabbitMQ, with a real prefork
-``celery worker`` per column.
+``celery worker`` per column. The whole-worker row starts workers of its own (one to kill with
+its children, one standing by for the broker's redelivery) with a short Redis
+``visibility_timeout``.
 
 Each cell records the body's executions (of the first message and, where the re-submission
 ran, of that one too), what the key holds afterwards (``Task.idempotency_status``), and what an
@@ -193,7 +195,8 @@ def _record(broker: str, acks: str, row: str, cell: Cell) -> Cell:
 def _report() -> None:
     if not _matrix:
         return
-    rows = sorted({row for _, _, row in _matrix}, key=ROWS.index)
+    order = ROWS + OWN_WORKER_ROWS
+    rows = sorted({row for _, _, row in _matrix}, key=order.index)
     cols = [(b, a) for b in BROKERS for a in ACKS if any((b, a, r) in _matrix for r in rows)]
     lines = [
         "| how the message ends | " + " | ".join(f"{b} / {a}" for b, a in cols) + " |",
@@ -510,6 +513,126 @@ def test_life_cycle(
         pytest.importorskip("amqp")
     column = columns(broker, acks)
     _record(broker, acks, row, _RUN[row](column.app, broker, acks))
+
+
+# --------------------------------------------------------------------------- a whole worker killed
+
+#: Rows that kill a whole worker (main process and pool children): each cell starts workers
+#: of its own on a queue of its own, beside the column's (which it leaves running).
+OWN_WORKER_ROWS = ["whole worker killed mid-body"]
+
+#: kombu's Redis ``visibility_timeout`` of those workers: the Redis broker redelivers an
+#: unacked message of a dead worker once it is this old (RabbitMQ does when the connection
+#: drops).
+VISIBILITY = 6
+
+
+def row_whole_worker_killed(column: Column, broker: str, acks: str) -> Cell:
+    lc = column.app
+    queue = f"{lc.QUEUE}-whole-{_tag()[:6]}"
+    env = {**column.env, "LC_VISIBILITY": str(VISIBILITY)}
+    options: dict[str, Any] = {
+        "env": env,
+        "pythonpath": [APPS_DIR],
+        "pool": "prefork",
+        "concurrency": 1,
+        "queues": [queue],
+    }
+    t = _tag()
+    doomed = start_workers(1, "lifecycle_app", **options)
+    standby = None
+    try:
+        first = lc.sleeps_once.apply_async((t,), queue=queue)
+        _wait(lambda: lc.count("sleeps_once", t) >= 1)
+        killed = time.monotonic()
+        doomed[0].kill()  # SIGKILL of the process group: the main process and its child at once
+        if acks == "early":
+            # Acked before the body ran: no broker brings it back. Free once the lease ends.
+            key = _wait_state(lc.sleeps_once, (t,), "absent", timeout=lc.LOCK_TTL + 10)
+            standby = start_workers(1, "lifecycle_app", **options)
+            again = lc.sleeps_once.apply_async((t,), queue=queue)
+            assert again.get(timeout=TIMEOUT) == f"{t}:run 2"
+            # Past the visibility timeout (and kombu's sweep) nothing redelivered the first.
+            time.sleep(max(0.0, killed + VISIBILITY + 3 - time.monotonic()))
+            assert lc.count("sleeps_once", t) == 2
+            assert first.state == "PENDING"  # the killed call has no result, ever
+            cell = Cell(
+                1, "free within lock_ttl" if key == "absent" else key, _got(first, again, True)
+            )
+            assert cell == Cell(1, "free within lock_ttl", "ran")
+            return cell
+        # Unacked: the broker redelivers it (Redis: once older than visibility_timeout, restored
+        # by the standby's sweep; RabbitMQ: as the connection drops). A re-submission at once
+        # finds the killed delivery's claim (its lease still valid) and gets the first call; if
+        # the lease ran out first it is published, and then one of the two runs, the other
+        # replays. Never a second completed run.
+        again = lc.sleeps_once.apply_async((t,), queue=queue)
+        standby = start_workers(1, "lifecycle_app", **options)
+        assert first.get(timeout=TIMEOUT) == f"{t}:run 2"
+        assert again.get(timeout=TIMEOUT) == f"{t}:run 2"
+        key = _state(lc.sleeps_once, t)
+        later = lc.sleeps_once.apply_async((t,), queue=queue)
+        assert isinstance(later, EagerResult)  # replayed at publish
+        assert later.get() == f"{t}:run 2"
+        got = (
+            "the first call"
+            if again.id == first.id
+            else "published; one of it and the redelivery ran, the other replayed"
+        )
+        if broker == "redis":  # the redelivery waited for the visibility timeout
+            assert time.monotonic() - killed >= VISIBILITY - 1
+        cell = Cell(lc.count("sleeps_once", t), key, got)
+        assert cell.executions == 2  # the killed run + one completed run
+        assert cell.key_after == "completed"
+        return cell
+    finally:
+        doomed.stop()
+        if standby is not None:
+            standby.stop()
+        for worker in [*doomed, *(standby or [])]:
+            worker.remove_log()
+
+
+@pytest.mark.parametrize("acks", ACKS)
+@pytest.mark.parametrize("broker", BROKERS)
+def test_whole_worker_killed(columns: Callable[[str, str], Column], broker: str, acks: str) -> None:
+    """SPEC §8's rows "worker killed, message acked" (early ack) and "worker killed, message
+    redelivered" (``acks_late``, with or without ``task_reject_on_worker_lost``: nobody is left
+    to reject, so the broker's own redelivery brings it back)."""
+    if broker == "rabbitmq":
+        pytest.importorskip("amqp")
+    column = columns(broker, acks)
+    _record(broker, acks, OWN_WORKER_ROWS[0], row_whole_worker_killed(column, broker, acks))
+
+
+# --------------------------------------------------------------------------- a shorter publish_ttl
+
+
+def test_a_marker_that_expired_costs_one_message_replayed(
+    columns: Callable[[str, str], Column],
+) -> None:
+    """``idempotency_publish_ttl`` shorter than a message's wait: the identical publish after
+    the marker expired is a second message, and the worker replays it (one execution)."""
+    column = columns("redis", "early")
+    lc = column.app
+    t = _tag()
+    queue = f"{lc.QUEUE}-later-{t[:6]}"
+    one = lc.returns.apply_async((t,), queue=queue, idempotency_publish_ttl=1)
+    same = lc.returns.apply_async((t,), queue=queue, idempotency_publish_ttl=1)
+    assert same.id == one.id  # stopped at publish while the marker lives
+    _wait_state(lc.returns, (t,), "absent", timeout=10)
+    two = lc.returns.apply_async((t,), queue=queue, idempotency_publish_ttl=1)
+    assert two.id != one.id
+    with lc.app.connection_for_write() as conn:
+        assert conn.default_channel.client.llen(queue) == 2  # two messages wait
+    node = column.group[0].nodename
+    lc.app.control.add_consumer(queue, destination=[node], reply=True, timeout=10)
+    try:
+        assert one.get(timeout=TIMEOUT) == f"{t}:1"
+        assert two.get(timeout=TIMEOUT) == f"{t}:1"  # replayed: the first run's value
+    finally:
+        lc.app.control.cancel_consumer(queue, destination=[node], reply=True, timeout=10)
+    assert lc.count("returns", t) == 1
 
 
 # --------------------------------------------------------------------------- per-call options

@@ -9,10 +9,14 @@ connection that is right again for the next call.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -258,3 +262,29 @@ def test_an_instrumented_execute_command_sees_every_script(
     seen.clear()
     guard.run("untraced", lambda: 1)
     assert seen == []
+
+
+@pytest.mark.parametrize("lib", ["gevent", "eventlet"])
+def test_greenlets_in_flight_share_connections_and_get_their_own_replies(
+    redis_url: str, key_prefix: str, lib: str
+) -> None:
+    """Under gevent and eventlet (a process patched first, as a worker is): 40 greenlets at
+    once, each call's reply its own, no request sent on a connection that still owes another
+    caller its reply, and more than one connection but no more than there were greenlets in
+    flight (one per greenlet would be one per task: Celery's green pools run each task in a
+    new greenlet). A connection lent twice at once is caught with real threads above."""
+    pytest.importorskip(lib)
+    script = Path(__file__).with_name("green_lean.py")
+    done = subprocess.run(
+        [sys.executable, str(script), lib, redis_url, key_prefix],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["lean"] is True
+    assert out["wrong"] == []
+    assert out["shared"] == []  # no connection was lent to two greenlets at once
+    assert 1 < out["held"] <= 40

@@ -5,6 +5,7 @@ Configured from the environment: ``LC_REDIS_URL`` (result backend, idempotency s
 run), ``LC_QUEUE`` (the default queue), ``LC_ACKS``: ``early`` (Celery's default), ``late``
 (``task_acks_late``) or ``late_reject`` (``task_acks_late`` + ``task_reject_on_worker_lost``).
 Bodies count their runs in Redis (``INCR``), so the tests see how often each one really ran.
+``LC_VISIBILITY``: kombu's Redis ``visibility_timeout`` (3600 s unless set).
 ``lock_ttl`` is short (2 s) so that "free within lock_ttl" is quick to see.
 """
 
@@ -48,8 +49,12 @@ app.conf.update(
 if BROKER.startswith("redis"):
     app.conf.broker_transport_options = {
         "global_keyprefix": f"{PREFIX}kombu:",
-        "visibility_timeout": 3600,
+        "visibility_timeout": float(os.environ.get("LC_VISIBILITY") or 3600),
     }
+    if os.environ.get("LC_VISIBILITY"):  # a short one: kombu's sweep every second, not 100 s
+        app.conf.broker_transport_options.update(
+            unacked_restore_interval=1, unacked_restore_throttle=1
+        )
 
 _clients: dict[int, redis.Redis] = {}
 
