@@ -71,6 +71,19 @@ def docker_available() -> str | None:
 
 
 @pytest.fixture(scope="session")
+def docker_client() -> Any:
+    """pytest-docker-tools' client, asked for first by pytest-celery's setups: here it skips
+    with the reason (and how to run these tests) when no daemon answers, instead of erroring
+    in ``docker.from_env()`` before any fixture of ours could skip."""
+    reason = docker_available()
+    if reason is not None:
+        pytest.skip(reason)
+    import docker
+
+    return docker.from_env()
+
+
+@pytest.fixture(scope="session")
 def container_images() -> Images:
     """The images, built (or found in the cache) once per session; a skip without Docker."""
     reason = docker_available()
