@@ -147,7 +147,8 @@ def key_examples(prefix: str) -> dict[str, str]:
     data = payload(1)
     md5 = hashlib.md5(json.dumps(data, sort_keys=True).encode()).hexdigest()  # noqa: S324
     from celery_idempotent import fingerprint_payload
-    from celery_idempotent.keyspace import record_name, task_key
+    from celery_idempotent.core.names import record_name
+    from celery_idempotent.keyspace import task_key
 
     key = task_key("bench.charge", "args", fingerprint_payload(data))
     return {

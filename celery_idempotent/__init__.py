@@ -47,6 +47,7 @@ from celery_idempotent.core.protocols import (
     Lease,
     LockProvider,
 )
+from celery_idempotent.core.states import KeyState
 from celery_idempotent.transactions import current_connection
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ __all__ = [
     "IdempotencyStatus",
     "IdempotencyStore",
     "IdempotentTask",
+    "KeyState",
     "Lease",
     "LockAcquisitionError",
     "LockLostError",

@@ -34,6 +34,7 @@ from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import scan as redis_scan
 from celery_idempotent.backends.redis.key_info import KeyInfo, read_key
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
+from celery_idempotent.core.states import KeyState
 
 if TYPE_CHECKING:
     import redis
@@ -60,19 +61,20 @@ __all__ = [
 ]
 
 #: Every state a key can be in, as :attr:`IdempotencyStatus.state` spells it.
-STATES = ("completed", "running", "queued", "absent")
+STATES = tuple(state.value for state in KeyState)
 
 
 @dataclass(frozen=True)
 class IdempotencyStatus:
     """What the store holds for one idempotency key, read in one round trip.
 
-    ``state`` is one of :data:`STATES`. ``task_id`` is the task id of the delivery that
-    committed (or queued) the key, where the store keeps it (``None`` otherwise). ``age`` is
-    seconds since the commit, by the committing worker's clock; ``ttl`` the seconds left of
-    the record (completed), of the lease (running) or of the marker (queued). ``fencing_token``
-    is the record's, or the running lease's; ``fingerprint`` the one stored with the result
-    (``None``: stored without one). ``holder`` is the owner id of a running lease.
+    ``state`` is a :class:`~celery_idempotent.KeyState` (a ``str``), one of :data:`STATES`.
+    ``task_id`` is the task id of the delivery that committed (or queued) the key, where the
+    store keeps it (``None`` otherwise). ``age`` is seconds since the commit, by the committing
+    worker's clock; ``ttl`` the seconds left of the record (completed), of the lease (running)
+    or of the marker (queued). ``fencing_token`` is the record's, or the running lease's;
+    ``fingerprint`` the one stored with the result (``None``: stored without one). ``holder`` is
+    the owner id of a running lease.
 
     For a queued key, ``age`` is seconds since the call was published (by the server's clock,
     where the marker says) and ``claimed`` whether a delivery ever claimed it (``False``: no
@@ -129,7 +131,7 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
     if record is not None:
         return IdempotencyStatus(
             key=info.key,
-            state="completed",
+            state=KeyState.COMPLETED,
             task_id=record.get("task_id"),
             age=info.age(now),
             ttl=info.record_ttl,
@@ -140,7 +142,7 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
     if info.lock_token is not None:
         return IdempotencyStatus(
             key=info.key,
-            state="running",
+            state=KeyState.RUNNING,
             task_id=info.queued_task_id,
             ttl=info.lock_ttl,
             fencing_token=info.lease_fence,
@@ -149,13 +151,13 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
     if info.queued_task_id is not None:
         return IdempotencyStatus(
             key=info.key,
-            state="queued",
+            state=KeyState.QUEUED,
             task_id=info.queued_task_id,
             age=info.queued_age(now),
             ttl=info.queued_ttl,
             claimed=info.queued_claimed,
         )
-    return IdempotencyStatus(key=info.key, state="absent")
+    return IdempotencyStatus(key=info.key, state=KeyState.ABSENT)
 
 
 # --------------------------------------------------------------------------- forgetting
@@ -217,7 +219,7 @@ def forget_key(
         deleted.append(info.lock_name)
     if include_fences and info.fence_value is not None and gone_fence:
         deleted.append(info.fence_name)
-    state = "running" if info.state == "in_progress" else info.state
+    state = KeyState.of(info.state)
     return Forgotten(key=info.key, state=state, deleted=tuple(deleted))
 
 
@@ -236,7 +238,7 @@ def status_from_guard(
         at = record.created_at
         return IdempotencyStatus(
             key=key,
-            state="completed",
+            state=KeyState.COMPLETED,
             age=max(0.0, now - at) if at >= 1e9 else None,
             fencing_token=record.fencing_token,
             fingerprint=record.fingerprint,
@@ -255,12 +257,12 @@ def status_from_guard(
     task_id, ttl = marker if marker is not None else (None, None)
     is_locked = getattr(guard.lock_provider, "is_locked", None)
     if callable(is_locked) and is_locked(guard.lock_resource(key)):
-        return IdempotencyStatus(key=key, state="running", task_id=task_id)
+        return IdempotencyStatus(key=key, state=KeyState.RUNNING, task_id=task_id)
     if marker is not None:
         return IdempotencyStatus(
-            key=key, state="queued", task_id=task_id, ttl=ttl, age=age, claimed=claimed
+            key=key, state=KeyState.QUEUED, task_id=task_id, ttl=ttl, age=age, claimed=claimed
         )
-    return IdempotencyStatus(key=key, state="absent")
+    return IdempotencyStatus(key=key, state=KeyState.ABSENT)
 
 
 def forget_from_guard(guard: DistributedIdempotencyGuard, key: str, *, force: bool) -> Forgotten:
@@ -268,7 +270,7 @@ def forget_from_guard(guard: DistributedIdempotencyGuard, key: str, *, force: bo
     refused (:class:`IdempotencyKeyHeldError`), and ``force`` cannot take it from its holder
     there (a lock provider releases only its own leases): it expires by itself."""
     status = status_from_guard(guard, key)
-    if status.state == "running":
+    if status.state == KeyState.RUNNING:
         raise IdempotencyKeyHeldError(
             key,
             None,
@@ -277,13 +279,13 @@ def forget_from_guard(guard: DistributedIdempotencyGuard, key: str, *, force: bo
             + (" (this backend cannot delete a lease it does not hold)" if force else ""),
         )
     name = guard.record_key(key)
-    if status.state == "queued" and status.task_id is not None:
+    if status.state == KeyState.QUEUED and status.task_id is not None:
         dropped = guard.store.drop_queued(name, status.task_id)  # type: ignore[attr-defined]
-        return Forgotten(key=key, state="queued", deleted=(name,) if dropped else ())
-    if status.state != "completed":
+        return Forgotten(key=key, state=KeyState.QUEUED, deleted=(name,) if dropped else ())
+    if status.state != KeyState.COMPLETED:
         return Forgotten(key=key, state=status.state)
     guard.store.delete(name)
-    return Forgotten(key=key, state="completed", deleted=(name,))
+    return Forgotten(key=key, state=KeyState.COMPLETED, deleted=(name,))
 
 
 # --------------------------------------------------------------------------- every task
@@ -383,7 +385,7 @@ def forget_all(
             where = f"client {cfg.idempotency_client!r}"
         else:
             where = redact(cfg.backend_url)
-        namespace = cfg.idempotency_namespace or str(task.name)
+        namespace = cfg.namespace_for(str(task.name))
         group = (where, cfg.idempotency_key_prefix, namespace)
         groups.setdefault(group, []).append(task)
         settings.setdefault(group, cfg)
@@ -479,7 +481,8 @@ def _forget_redis(
 def _forget_sql(
     app: Any, cfg: Any, base: NamespaceForgotten, *, dry_run: bool
 ) -> NamespaceForgotten:
-    from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415
+    from celery_idempotent.backends import sql_backend_from_url  # noqa: PLC0415
+    from celery_idempotent.settings import result_accept  # noqa: PLC0415
 
     url: str = cfg.backend_url
     if url.startswith("django://"):
@@ -487,8 +490,8 @@ def _forget_sql(
 
         django.setup()
     conf = app.conf
-    accept = list(conf.get("result_accept_content") or conf.get("accept_content") or ["json"])
-    backend: Any = backend_from_url(url, accept=accept)
+    accept = result_accept(conf)
+    backend: Any = sql_backend_from_url(url, accept=accept)
     sql_admin: Any
     if getattr(backend, "dialect", "postgresql") == "mysql":  # MySQL / MariaDB
         from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_idempotent.core.names import DEFAULT_PREFIX
 from celery_idempotent.core.validate import check_count, check_delay, check_duration, check_ttl
 from celery_idempotent.setting_checks import (
     DUPLICATE_PUBLISH_POLICIES,
@@ -54,6 +55,7 @@ __all__ = [
     "make_client_from",
     "never_stored",
     "resolve",
+    "result_accept",
     "setting",
     "task_option_defaults",
 ]
@@ -169,7 +171,7 @@ class IdempotencySettings:
     #: delivery re-queued; a commit is sent again until confirmed or ``lock_ttl`` passes.
     idempotency_wait_timeout: float = setting(1.0, check_duration)
     #: namespace of every Redis key (no braces: they are Redis Cluster hash tags).
-    idempotency_key_prefix: str = setting("idempotency:", check_key_prefix)
+    idempotency_key_prefix: str = setting(DEFAULT_PREFIX, check_key_prefix)
     #: kill switch: ``False`` runs tasks plainly, without any guard.
     idempotency_enabled: bool = setting(True, check_bool)
 
@@ -195,6 +197,11 @@ class IdempotencySettings:
         """The same as :attr:`in_postgres` (the clearer name)."""
         return self.in_postgres
 
+    def namespace_for(self, task_name: str) -> str:
+        """The namespace of ``task_name``'s keys: ``idempotency_namespace``, else the task's
+        name (the one place that default is spelled)."""
+        return self.idempotency_namespace or task_name
+
     @property
     def in_memory(self) -> bool:
         """Whether locks and records live in this process only (``memory://``)."""
@@ -218,6 +225,13 @@ def clear_cache(app: Any = None) -> None:
             _cache.clear()
         else:
             _cache.pop(app, None)
+
+
+def result_accept(conf: Any) -> list[str]:
+    """The content types a stored result is loaded from, as Celery's result backend loads
+    them: ``result_accept_content``, else ``accept_content``, else ``["json"]`` (the one place
+    this fallback is spelled: the guard, the admin and the command line all use it)."""
+    return list(conf.get("result_accept_content") or conf.get("accept_content") or ["json"])
 
 
 def resolve(app: Any, task: Any) -> IdempotencySettings:

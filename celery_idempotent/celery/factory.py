@@ -162,14 +162,14 @@ def _postgres_pair(
     cfg: IdempotencySettings, serializer: str, accept: list[str], *, task_name: str
 ) -> Pair:
     """One PostgreSQL backend serving as lock provider and store (one transaction)."""
-    from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415 - optional
+    from celery_idempotent.backends import sql_backend_from_url  # noqa: PLC0415 - optional
 
     if cfg.idempotency_wait_replicas:
         raise ValueError(
             f"idempotency_wait_replicas (task {task_name}) is a Redis setting; PostgreSQL "
             f"replicates commits itself (got {cfg.idempotency_wait_replicas}); use 0"
         )
-    backend = backend_from_url(cfg.backend_url, serializer=serializer, accept=accept)
+    backend = sql_backend_from_url(cfg.backend_url, serializer=serializer, accept=accept)
     return backend, backend
 
 

@@ -201,7 +201,7 @@ def key_for(
     ``idempotency_window``, in the request's schedule slot. ``fingerprint``, when given, is the
     hash of every bound argument (the ``"args"`` key)."""
     request = task.request
-    namespace = cfg.idempotency_namespace or task.name
+    namespace = cfg.namespace_for(task.name)
     explicit = request_value(request, KEY_HEADER)
     if explicit is not None:
         if not isinstance(explicit, str) or not explicit:
@@ -270,7 +270,7 @@ def _derived_key(
 ) -> str:
     """The key the ``idempotency_key`` strategy derives from the arguments (``"args"``, a
     format string or a callable; not ``"task_id"``), without reading the request."""
-    namespace = cfg.idempotency_namespace or task.name
+    namespace = cfg.namespace_for(task.name)
     strategy = cfg.idempotency_key
     if payload is None:
         payload = bound_arguments(task, args, kwargs)
@@ -337,7 +337,7 @@ def admin_key(
 ) -> str:
     """The namespaced key that the admin methods' arguments name (never from the current
     request: called inside a body, it must not take that delivery's header)."""
-    namespace = cfg.idempotency_namespace or task.name
+    namespace = cfg.namespace_for(task.name)
     named = [(what, value) for what, value in (("key", key), ("task_id", task_id)) if value]
     if key is not None or task_id is not None:
         if len(named) != 1 or args or kwargs:

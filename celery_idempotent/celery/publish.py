@@ -25,6 +25,7 @@ from celery.result import EagerResult
 from celery.utils import uuid
 
 from celery_idempotent import keyspace, signals
+from celery_idempotent.backends.redis import layout as redis_layout
 from celery_idempotent.backends.redis import publish as publish_redis
 from celery_idempotent.backends.redis.store import RedisIdempotencyStore
 from celery_idempotent.celery import call_options
@@ -309,7 +310,7 @@ def _plan_publish(
     ):
         return _PublishPlan()
     task_id = str(task_id) if task_id else uuid()
-    if not keyspace.can_mark(task_id):
+    if not redis_layout.can_mark(task_id):
         return _PublishPlan()
     if task.request_stack is None:  # a task class Celery bound as already bound
         from celery.utils.threads import LocalStack  # noqa: PLC0415 - as Task.bind does

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from celery_idempotent.settings import result_accept
+
 if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
 
@@ -26,8 +28,7 @@ FAILURE_MARKER = "__celery_idempotent_failure__"
 def result_serialization(conf: Any) -> tuple[str, list[str]]:
     """The app's result serializer and the accept list results are loaded with."""
     serializer = conf.get("result_serializer") or "json"
-    accept = conf.get("result_accept_content") or conf.get("accept_content") or ["json"]
-    return serializer, list(accept)
+    return serializer, result_accept(conf)
 
 
 def as_delivered(conf: Any, value: Any) -> Any:

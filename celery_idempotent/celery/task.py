@@ -248,7 +248,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
 
     def idempotency_namespace_of(self) -> str:
         """The namespace of this task's keys: ``idempotency_namespace``, else its name."""
-        return self.idempotency_settings().idempotency_namespace or str(self.name)
+        return self.idempotency_settings().namespace_for(str(self.name))
 
     def idempotency_key_for(
         self,

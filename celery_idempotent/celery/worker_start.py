@@ -441,7 +441,7 @@ def check_namespaces(app: Any) -> list[str]:
             continue
         if not cfg.idempotency_enabled:
             continue
-        namespace = cfg.idempotency_namespace or name
+        namespace = cfg.namespace_for(name)
         where = (backend_label(cfg), cfg.idempotency_key_prefix, namespace)
         declared = declared_by_task(task, "idempotency_namespace")
         groups.setdefault(where, []).append((name, declared))

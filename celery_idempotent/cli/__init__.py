@@ -16,7 +16,7 @@ task; ``--url`` and ``--prefix`` override both::
 
 Keys are named as :class:`~celery_idempotent.IdempotentTask` names them:
 ``<task>:key:<explicit or formatted key>``, ``<task>:id:<task id>`` or
-``<task>:args:<sha256 of the bound arguments>``. In Redis (see ``celery_idempotent.keyspace``)
+``<task>:args:<sha256 of the bound arguments>``. In Redis (see ``backends.redis.keyspace``)
 a key ``k`` becomes the record ``<prefix>{k}``, the lock ``<prefix>lock:{k}`` and the fence
 ``<prefix>lock:{k}:fence``, where ``k`` is shortened to its first 64 characters plus a sha256
 when it is longer than 200 characters or contains a brace.
@@ -41,10 +41,10 @@ from __future__ import annotations
 import click
 
 from celery_idempotent.admin import KeyInfo, format_duration, read_key
+from celery_idempotent.backends.redis.keyspace import parse_name as parse_redis_name
 from celery_idempotent.cli.forget import forget
 from celery_idempotent.cli.inspect_key import inspect
 from celery_idempotent.cli.stats import stats
-from celery_idempotent.keyspace import parse_name as parse_redis_name
 from celery_idempotent.keyspace import task_of_slot
 
 __all__ = [

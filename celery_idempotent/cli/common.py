@@ -16,7 +16,12 @@ import click
 
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.core.exceptions import IdempotencyError
-from celery_idempotent.settings import IdempotencySettings, make_client_from, resolve
+from celery_idempotent.settings import (
+    IdempotencySettings,
+    make_client_from,
+    resolve,
+    result_accept,
+)
 from celery_idempotent.urls import redact
 
 if TYPE_CHECKING:
@@ -87,7 +92,7 @@ class Target:
     def namespace(self, task_name: str) -> str:
         """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
         app's, for a task this app does not register), else the name itself."""
-        return self.settings.idempotency_namespace or task_name
+        return self.settings.namespace_for(task_name)
 
     @property
     def shown_url(self) -> str:
@@ -96,9 +101,7 @@ class Target:
 
     def accept(self) -> list[str]:
         """The content types a stored result may be loaded from: as ``IdempotentTask``."""
-        conf = self.app.conf
-        found = conf.get("result_accept_content") or conf.get("accept_content") or ["json"]
-        return list(found)
+        return result_accept(self.app.conf)
 
 
 def _app_of(ctx: click.Context) -> tuple[Any, bool]:
@@ -168,8 +171,7 @@ def connect(
     if cfg.in_postgres:
         from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415 - psycopg only when used
 
-        conf = app.conf
-        accept = list(conf.get("result_accept_content") or conf.get("accept_content") or [])
+        accept = result_accept(app.conf)
         return Target(
             app=app,
             settings=cfg,

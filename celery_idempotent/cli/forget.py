@@ -32,7 +32,7 @@ from celery_idempotent.cli.scan import (
     tagged_task,
 )
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.keyspace import HEAD_CHARS, MAX_READABLE_KEY
+from celery_idempotent.core.names import HEAD_CHARS, MAX_READABLE_KEY
 
 __all__ = ["forget"]
 
@@ -56,8 +56,9 @@ __all__ = ["forget"]
 @click.option(
     "--include-fences",
     is_flag=True,
-    help="Also delete the fence keys (the last fencing token of each key, kept 7 days; they "
-    "name the key). Safe: a new token is never below the server's clock in µs.",
+    help="Also delete the fence keys (a key's last fencing token, written only while the "
+    "server clock is behind it, and gone by itself once the clock passes it; 0.1.0's lived 7 "
+    "days). Safe: one is deleted only once the server clock has passed its token.",
 )
 @batch_size_option("SCAN COUNT and names deleted per pipelined round trip.")
 @common_options

@@ -8,8 +8,8 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent import keyspace
 from celery_idempotent.admin import KeyInfo, format_duration, read_key
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.cli.common import (
     Target,
     connect,
@@ -21,6 +21,7 @@ from celery_idempotent.cli.common import (
 )
 from celery_idempotent.cli.options import KeySelection, common_options, key_options
 from celery_idempotent.core.exceptions import RecordDecodeError
+from celery_idempotent.core.states import IN_PROGRESS
 
 __all__ = ["inspect"]
 
@@ -112,7 +113,7 @@ def _print_key(
 ) -> None:
     states = {
         "completed": "completed",
-        "in_progress": "in progress (locked)",
+        IN_PROGRESS: "in progress (locked)",
         "queued": "queued (published, not run yet)",
         "absent": "absent",
     }

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import click
 from kombu.exceptions import KombuError
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace as redis_keyspace
 from celery_idempotent.celery.keys import as_received
 from celery_idempotent.cli.common import DEFAULT_BATCH, Target
 from celery_idempotent.core.exceptions import IdempotencyKeyMissingError
@@ -104,7 +104,7 @@ class KeySelection:
                 raise click.UsageError("--raw needs KEY (the namespaced key or a Redis name)")
             # A Redis name (record, lock or fence) carries the slot, and slot_key(slot) == slot:
             # the slot reaches the same names, shortened keys included.
-            parsed = keyspace.parse_name(key, target.prefix)
+            parsed = redis_keyspace.parse_name(key, target.prefix)
             return parsed[1] if parsed is not None else key
         if task_name is None:
             raise click.UsageError(

@@ -16,13 +16,10 @@ from typing import Any
 
 import click
 
-from celery_idempotent.backends.postgres import (
-    DEFAULT_TABLE,
-    PostgresBackend,
-    backend_from_url,
-    ddl,
-)
+from celery_idempotent.backends import sql_backend_from_url
+from celery_idempotent.backends.postgres import DEFAULT_TABLE, PostgresBackend, ddl
 from celery_idempotent.backends.postgres.connections import split_url
+from celery_idempotent.core.states import IN_PROGRESS
 
 __all__ = ["admin_of", "backend_for", "inspect", "sql_command"]
 
@@ -76,7 +73,7 @@ def backend_for(cfg: Any, accept: list[str]) -> PostgresBackend:
         import django  # noqa: PLC0415
 
         django.setup()
-    return backend_from_url(url, accept=accept or ["json"])
+    return sql_backend_from_url(url, accept=accept or ["json"])
 
 
 def inspect(
@@ -102,7 +99,7 @@ def inspect(
 
         states = {
             "completed": "completed",
-            "in_progress": "in progress (a transaction holds the row)",
+            IN_PROGRESS: "in progress (a transaction holds the row)",
             "queued": "queued (published, no delivery has committed it)",
             "absent": "absent",
         }

@@ -7,11 +7,12 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from celery_idempotent.cli.common import connect, emit_json, print_table, progress, redis_errors
 from celery_idempotent.cli.options import any_task_option, batch_size_option, common_options
 from celery_idempotent.cli.scan import Scan, scan_names
+from celery_idempotent.core.states import IN_PROGRESS
 
 __all__ = ["stats"]
 
@@ -50,8 +51,8 @@ def stats(
             emit_json({**doc, "url": target.shown_url})
             return
         click.echo(f"table {doc['table']} (prefix {target.prefix!r}) on {target.shown_url}")
-        rows = [[name, c["completed"], c["in_progress"]] for name, c in doc["tasks"].items()]
-        rows.append(["TOTAL", doc["total"]["completed"], doc["total"]["in_progress"]])
+        rows = [[name, c["completed"], c[IN_PROGRESS]] for name, c in doc["tasks"].items()]
+        rows.append(["TOTAL", doc["total"]["completed"], doc["total"][IN_PROGRESS]])
         print_table(["TASK", "COMPLETED", "IN PROGRESS"], rows)
         if doc["expired"]:
             click.echo(f"({doc['expired']} expired row(s) await the sweep)")
@@ -68,13 +69,13 @@ def stats(
         records.clear()
 
     for found, (kind, task, raw) in enumerate(scan_names(target, namespace, batch_size, scan), 1):
-        counts = per_task.setdefault(task, {"completed": 0, "in_progress": 0, "queued": 0})
+        counts = per_task.setdefault(task, {"completed": 0, IN_PROGRESS: 0, "queued": 0})
         if kind == "record":
             records.append((task, raw))
             if len(records) >= batch_size:
                 count_records()
         else:
-            counts["in_progress"] += 1
+            counts[IN_PROGRESS] += 1
         if found % (batch_size * 10) == 0:
             progress(target, f"counted {found} key(s)")
     count_records()
@@ -110,7 +111,7 @@ def stats(
 #: What ``stats`` counts per task (Redis): completed records, held locks (a body running),
 #: and queued markers (published by ``apply_async``, not committed yet; a queued call whose
 #: body runs counts in "in_progress" too, by its lock).
-STATES = ("completed", "in_progress", "queued")
+STATES = ("completed", IN_PROGRESS, "queued")
 _QUEUED_HEAD = keyspace.QUEUED_HEAD.encode()
 
 

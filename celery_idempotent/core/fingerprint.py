@@ -1,4 +1,4 @@
-"""Payload fingerprints (the names of a key's lock and record live in ``keyspace``).
+"""Payload fingerprints (the names of a key's lock and record live in ``core.names``).
 
 ``fingerprint_payload`` hashes a canonical encoding of what Celery users pass as arguments, so
 the same payload gives the same fingerprint in any process, on any Python version, in any dict
@@ -17,7 +17,7 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
-from celery_idempotent import keyspace
+from celery_idempotent.core import names
 
 __all__ = [
     "KeyLabel",
@@ -28,8 +28,7 @@ __all__ = [
     "slot_key",
 ]
 
-MAX_READABLE_KEY = keyspace.MAX_READABLE_KEY
-_HEAD = keyspace.HEAD_CHARS
+MAX_READABLE_KEY = names.MAX_READABLE_KEY
 
 
 def fingerprint_payload(payload: Any) -> str:
@@ -153,8 +152,8 @@ class KeyLabel:
         return f"key #{key_digest(self.key)}"
 
 
-# The Redis names moved to celery_idempotent.keyspace (the one module that spells them);
-# these names stay importable from here, as in 0.1.0.
-slot_key = keyspace.slot_key
-lock_resource = keyspace.lock_name
-record_key = keyspace.record_name
+# The names are spelled in celery_idempotent.core.names; these stay importable from here, as in
+# 0.1.0.
+slot_key = names.slot_key
+lock_resource = names.lock_name
+record_key = names.record_name

@@ -38,6 +38,7 @@ from celery_idempotent.core.exceptions import (
     LockLostError,
 )
 from celery_idempotent.core.fingerprint import KeyLabel, fingerprint_payload, key_digest
+from celery_idempotent.core.names import DEFAULT_PREFIX, lock_name, record_name
 from celery_idempotent.core.outcome import (
     ABSENT,
     GuardEvent,
@@ -58,7 +59,6 @@ from celery_idempotent.core.protocols import (
 )
 from celery_idempotent.core.two_step import TwoStepBackend, backend_call, release_quietly
 from celery_idempotent.core.validate import check_count, check_delay, check_duration, check_ttl
-from celery_idempotent.keyspace import lock_name, record_name
 
 __all__ = [
     "ABSENT",
@@ -106,7 +106,7 @@ class DistributedIdempotencyGuard:
         retry_max_delay: Any = None,
         renew_interval: Any = None,
         fingerprint_fn: Callable[[Any], str] = fingerprint_payload,
-        key_prefix: str = "idempotency:",
+        key_prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
         sleep: Sleep = event_sleep,
         random: Callable[[], float] = _random.random,

@@ -145,9 +145,9 @@ def idempotency_app(request: pytest.FixtureRequest) -> Any:
 
 def _clear_postgres(url: str) -> None:
     """Empty the test's idempotency table (rolled back anyway under ``db``)."""
-    from celery_idempotent.backends.postgres import backend_from_url  # noqa: PLC0415
+    from celery_idempotent.backends import sql_backend_from_url  # noqa: PLC0415
 
-    backend = backend_from_url(url)
+    backend = sql_backend_from_url(url)
     try:
         probe: tuple[str, tuple[Any, ...]]
         if getattr(backend, "dialect", "postgresql") == "mysql":

@@ -27,6 +27,7 @@ from kombu import VERSION as KOMBU_VERSION
 
 from celery_idempotent import DuplicatePublishError, IdempotencyMismatchError, keyspace
 from celery_idempotent import settings as idem_settings
+from celery_idempotent.backends.redis import keyspace as redis_keyspace
 from celery_idempotent.celery.task import reset_backends
 from tests.support.keys import delete_keys_with_prefix
 from tests.support.workers import WorkerGroup, start_workers
@@ -393,7 +394,9 @@ def test_inspect_shows_a_queued_key_and_forget_clears_it(pub: ModuleType) -> Non
     assert "queued (published, not run yet)" in human.stdout
     assert f"task {first.id}" in human.stdout
     gone = cli("forget", "--task", "pub.charge", "--args", json.dumps([t, 3]), "--yes", "--json")
-    record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 3), {}))
+    record = redis_keyspace.record_name(
+        f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 3), {})
+    )
     assert gone["deleted"] == [record]
     assert pub.charge.apply_async((t, 3), queue=queue).id != first.id  # published again
     pub.client().delete(f"{pub.PREFIX}kombu:{queue}")
@@ -407,7 +410,9 @@ def test_a_failed_publish_removes_its_marker_and_a_resend_goes_through(
     t = tag()
     queue = f"{pub.QUEUE}-unconsumed"
     broker_list = f"{pub.PREFIX}kombu:{queue}"
-    record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 4), {}))
+    record = redis_keyspace.record_name(
+        f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 4), {})
+    )
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise ConnectionError("the broker is down")
@@ -419,7 +424,7 @@ def test_a_failed_publish_removes_its_marker_and_a_resend_goes_through(
     assert not pub.client().exists(record)  # the marker went with the failed publish
 
     first = pub.charge.apply_async((t, 4), queue=queue)
-    assert keyspace.parse_queued(pub.client().get(record)) == (
+    assert redis_keyspace.parse_queued(pub.client().get(record)) == (
         first.id,
         pub.charge.idempotency_fingerprint_for((t, 4), {}),
     )
@@ -458,7 +463,9 @@ def test_on_the_brokers_redis_the_check_and_the_push_are_one_script(
     queue = f"{pub.QUEUE}-fused"  # no worker consumes it
     broker_list = f"{pub.PREFIX}kombu:{queue}"
     charge = pub.app.tasks["pub.charge"]
-    record = keyspace.record_name(f"{pub.PREFIX}idem:", charge.idempotency_key_for((t, 6), {}))
+    record = redis_keyspace.record_name(
+        f"{pub.PREFIX}idem:", charge.idempotency_key_for((t, 6), {})
+    )
     pub.charge.apply_async((tag(), 6), queue=queue)  # the queue declared, the script loaded
     pub.client().delete(broker_list)
 
@@ -466,7 +473,7 @@ def test_on_the_brokers_redis_the_check_and_the_push_are_one_script(
     first = pub.charge.apply_async((t, 6), queue=queue)
     assert sent == ["EVALSHA"]  # one round trip: the check and the push
     assert pub.client().llen(broker_list) == 1
-    assert keyspace.parse_queued(pub.client().get(record)) == (
+    assert redis_keyspace.parse_queued(pub.client().get(record)) == (
         first.id,
         charge.idempotency_fingerprint_for((t, 6), {}),
     )
@@ -550,7 +557,9 @@ def test_a_push_that_fails_in_the_script_removes_its_marker(pub: ModuleType) -> 
     t = tag()
     queue = f"{pub.QUEUE}-broken"
     broker_list = f"{pub.PREFIX}kombu:{queue}"
-    record = keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 8), {}))
+    record = redis_keyspace.record_name(
+        f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 8), {})
+    )
     pub.charge.apply_async((tag(), 8), queue=queue)  # the queue declared
     pub.client().set(broker_list, "not a list")
     try:
@@ -560,7 +569,7 @@ def test_a_push_that_fails_in_the_script_removes_its_marker(pub: ModuleType) -> 
     finally:
         pub.client().delete(broker_list)
     first = pub.charge.apply_async((t, 8), queue=queue)  # published now, under a new marker
-    assert keyspace.parse_queued(pub.client().get(record))[0] == first.id  # type: ignore[index]
+    assert redis_keyspace.parse_queued(pub.client().get(record))[0] == first.id  # type: ignore[index]
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list, record)
 
@@ -602,7 +611,9 @@ def _fresh_list(pub: ModuleType, name: str, *, queue: Any = None) -> str:
 
 
 def _record(pub: ModuleType, *args: Any) -> str:
-    return keyspace.record_name(f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for(args, {}))
+    return redis_keyspace.record_name(
+        f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for(args, {})
+    )
 
 
 def test_a_stopped_duplicate_keeps_the_pooled_broker_connection(
@@ -824,7 +835,7 @@ def test_a_fanout_exchange_is_checked_then_published_by_kombu(pub: ModuleType) -
                 break
         assert len(heard) == 1
         assert f'"id": "{first.id}"'.encode() in heard[0]
-        assert keyspace.parse_queued(pub.client().get(_record(pub, t, 5)))[0] == first.id  # type: ignore[index]
+        assert redis_keyspace.parse_queued(pub.client().get(_record(pub, t, 5)))[0] == first.id  # type: ignore[index]
     finally:
         listener.close()
         pub.client().delete(binding, _record(pub, t, 5))
@@ -985,7 +996,7 @@ def _check_green_pool(pub: ModuleType, pool: str) -> None:
     for header in headers:
         own = ast.literal_eval(header["argsrepr"])[0]
         assert ids[own] == {header["id"]}
-        marker = keyspace.parse_queued(pub.client().get(_record(pub, own, 0)))
+        marker = redis_keyspace.parse_queued(pub.client().get(_record(pub, own, 0)))
         assert marker is not None
         assert marker[0] == header["id"]
     pub.client().delete(broker_list)
@@ -1020,13 +1031,15 @@ def test_a_publish_that_fails_before_its_push_leaves_no_mark_behind(
         # queue again). Then the one script, which pushed the message.
         assert sent.count("EVALSHA") == 1
         assert "LPUSH" not in sent
-        assert keyspace.parse_queued(pub.client().get(_record(pub, t, 7)))[0] == first.id  # type: ignore[index]
+        assert redis_keyspace.parse_queued(pub.client().get(_record(pub, t, 7)))[0] == first.id  # type: ignore[index]
         assert pub.charge.apply_async((t, 7), queue=queue).id == first.id
     finally:
         before_task_publish.disconnect(handler)
     other = pub.charge.apply_async((f"{t}-other", 7), queue=queue)
     assert other.id != first.id
-    assert keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-other", 7)))[0] == other.id  # type: ignore[index]
+    assert (
+        redis_keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-other", 7)))[0] == other.id
+    )  # type: ignore[index]
     assert pub.client().llen(broker_list) == 2
     pub.client().delete(broker_list)
 
@@ -1053,7 +1066,7 @@ def test_a_failure_after_the_push_keeps_the_marker_of_the_queued_message(
         with pytest.raises(RuntimeError, match="task-sent"):
             pub.charge.apply_async((t, 8), queue=queue)
     assert pub.client().llen(broker_list) == 1
-    assert keyspace.parse_queued(pub.client().get(_record(pub, t, 8)))[0] == sent_ids[0]  # type: ignore[index]
+    assert redis_keyspace.parse_queued(pub.client().get(_record(pub, t, 8)))[0] == sent_ids[0]  # type: ignore[index]
     assert pub.charge.apply_async((t, 8), queue=queue).id == sent_ids[0]
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list)
@@ -1090,7 +1103,7 @@ def test_a_redis_transport_whose_channel_pushes_its_own_way_is_checked_first(
     assert again.id == first.id
     assert pushed == [first.id]
     assert pub.client().llen(broker_list) == 1
-    assert keyspace.parse_queued(pub.client().get(_record(pub, t, 9)))[0] == first.id  # type: ignore[index]
+    assert redis_keyspace.parse_queued(pub.client().get(_record(pub, t, 9)))[0] == first.id  # type: ignore[index]
     pub.client().delete(broker_list)
 
 
@@ -1132,7 +1145,8 @@ def test_a_batch_keeps_the_markers_it_pushed_and_drops_those_it_discarded(
         assert pub.client().llen(broker_list) == 2
         for n in range(2):
             assert (
-                keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-{n}", 10)))[0] == ids[n]
+                redis_keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-{n}", 10)))[0]
+                == ids[n]
             )  # type: ignore[index]
         assert not pub.client().exists(_record(pub, f"{t}-2", 10))
 
@@ -1143,7 +1157,7 @@ def test_a_batch_keeps_the_markers_it_pushed_and_drops_those_it_discarded(
                 pub.charge.apply_async((f"{t}-0", 10), queue=queue, producer=producer).id == ids[0]
             )
     assert pub.client().llen(broker_list) == 3
-    assert keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-2", 10)))[0] == third.id  # type: ignore[index]
+    assert redis_keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-2", 10)))[0] == third.id  # type: ignore[index]
     assert pub.charge.apply_async((f"{t}-2", 10), queue=queue).id == third.id
     pub.client().delete(broker_list)
 
@@ -1159,7 +1173,7 @@ def test_a_message_kombu_routes_to_no_queue_sets_no_marker(pub: ModuleType) -> N
     broker_list = _fresh_list(pub, queue)
     first = pub.charge.apply_async((t, 11), queue=queue)
     assert first.id != nowhere.id
-    assert keyspace.parse_queued(pub.client().get(_record(pub, t, 11)))[0] == first.id  # type: ignore[index]
+    assert redis_keyspace.parse_queued(pub.client().get(_record(pub, t, 11)))[0] == first.id  # type: ignore[index]
     assert pub.client().llen(broker_list) == 1
     pub.client().delete(broker_list)
 
@@ -1216,7 +1230,9 @@ def test_over_rabbitmq_the_check_comes_first_and_a_failed_publish_drops_its_mark
                 charge.apply_async((f"{t}-b", 12), queue=queue)
         assert not pub.client().exists(_record(pub, f"{t}-b", 12))
         again = charge.apply_async((f"{t}-b", 12), queue=queue)
-        assert keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-b", 12)))[0] == again.id  # type: ignore[index]
+        assert (
+            redis_keyspace.parse_queued(pub.client().get(_record(pub, f"{t}-b", 12)))[0] == again.id
+        )  # type: ignore[index]
     finally:
         with Connection(rabbitmq_url, connect_timeout=5) as connection:
             connection.default_channel.queue_delete(queue)
@@ -1254,10 +1270,10 @@ def test_kombus_publish_retry_pushes_once_after_one_check(
         assert not failures  # the failure happened, and kombu retried
         assert sent.count("EVALSHA") == 1
         assert pub.client().llen(broker_list) == 1
-        record = keyspace.record_name(
+        record = redis_keyspace.record_name(
             f"{pub.PREFIX}idem:", pub.charge.idempotency_key_for((t, 13), {})
         )
-        assert keyspace.parse_queued(other.get(record))[0] == first.id  # type: ignore[index]
+        assert redis_keyspace.parse_queued(other.get(record))[0] == first.id  # type: ignore[index]
         assert pub.charge.apply_async((t, 13), queue=queue).id == first.id
         assert pub.client().llen(broker_list) == 1
     finally:

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 from tests.celery.cidem_helpers import count, key_of, signal_count
 from tests.support.leases import lease_held
 from tests.support.waiting import wait_for

@@ -46,6 +46,7 @@ OTHER: dict[str, Any] = {
     "idempotency_on_locked": "raise",
     "idempotency_on_duplicate_publish": "raise",
     "idempotency_publish_ttl": 30,
+    "idempotency_publish_until": "started",
     "idempotency_window": 300,
     "idempotency_wait_replicas": 1,
     "idempotency_wait_timeout": 0.25,
@@ -64,6 +65,7 @@ BAD: list[tuple[str, Any, type[Exception]]] = [
     ("idempotency_fingerprint", "x", ValueError),  # one name: ("x",)
     ("idempotency_on_duplicate_publish", "skip", ValueError),
     ("idempotency_publish_ttl", 0, ValueError),
+    ("idempotency_publish_until", "finished", ValueError),
     ("idempotency_window", -5, ValueError),
     ("idempotency_fingerprint", (), TypeError),
     ("idempotency_fingerprint", ("x", 3), TypeError),
@@ -80,7 +82,8 @@ BAD: list[tuple[str, Any, type[Exception]]] = [
     ("idempotency_store_errors", (SoftTimeLimitExceeded,), ValueError),
     ("idempotency_store_errors", (LockAcquisitionError,), ValueError),
     ("idempotency_ttl", -1, ValueError),
-    ("idempotency_ttl", 0, ValueError),
+    # 0 is a mode since 0.2.0 (nothing kept once the body ends), not a bad value.
+    ("idempotency_ttl", float("nan"), ValueError),
     ("idempotency_ttl", "1 day", TypeError),
     ("idempotency_lock_ttl", 0, ValueError),
     ("idempotency_lock_ttl", float("nan"), ValueError),

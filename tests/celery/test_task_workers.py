@@ -26,7 +26,7 @@ from celery_idempotent import (
     RecordDecodeError,
     RedisIdempotencyStore,
 )
-from celery_idempotent.keyspace import decode_record
+from celery_idempotent.backends.redis.keyspace import decode_record
 from tests.celery.cidem_helpers import (
     count,
     key_of,

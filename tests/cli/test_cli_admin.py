@@ -24,9 +24,9 @@ from celery_idempotent import (
     RedisLockProvider,
     fingerprint_payload,
 )
+from celery_idempotent.backends.redis.keyspace import decode_record, parse_lock_value
 from celery_idempotent.cli import parse_redis_name, task_of_slot
 from celery_idempotent.core.fingerprint import lock_resource, record_key
-from celery_idempotent.keyspace import decode_record, parse_lock_value
 
 if TYPE_CHECKING:
     import subprocess

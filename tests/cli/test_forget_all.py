@@ -9,6 +9,7 @@ does not register stay.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +65,12 @@ def test_idempotent_tasks_lists_the_apps_idempotent_tasks_only(cli_app: Celery) 
     def plain() -> None:
         """Not idempotent: has no keys."""
 
-    names_found = [task.name for task in idempotent_tasks(cli_app)]
+    # Shared tasks (``@app.task`` without ``shared=False``) that other suites defined in this
+    # process are registered on every app finalized after them: they are this app's tasks
+    # too, so only the app's own names are compared.
+    names_found = [
+        task.name for task in idempotent_tasks(cli_app) if task.name.startswith("cliadmin.")
+    ]
     assert names_found == ["cliadmin.charge", "cliadmin.hold", "cliadmin.report", "cliadmin.ship"]
     assert all(isinstance(task, IdempotentTask) for task in idempotent_tasks(cli_app))
 
@@ -84,7 +90,15 @@ def test_forget_all_dry_run_confirmation_and_force(
     dry = json.loads(ok(run_cli("forget", "--all", "--dry-run", "--json")).stdout)
     assert dry["dry_run"] is True
     assert (dry["records"], dry["locks"], dry["kept_locks"]) == (6, 0, 1)
-    by_namespace = {n["namespace"]: n for n in dry["namespaces"]}
+    # Other suites' shared tasks are registered on this app too (see above); they hold no keys.
+    by_namespace = {
+        n["namespace"]: n for n in dry["namespaces"] if n["namespace"].startswith("cliadmin.")
+    }
+    assert all(
+        n["records"] == n["locks"] == n["kept_locks"] == 0
+        for n in dry["namespaces"]
+        if not n["namespace"].startswith("cliadmin.")
+    ), dry["namespaces"]
     assert set(by_namespace) == {
         "cliadmin.charge",
         "cliadmin.hold",
@@ -98,7 +112,8 @@ def test_forget_all_dry_run_confirmation_and_force(
     declined = run_cli("forget", "--all", input="n\n")
     assert declined.exit_code == 1
     assert "would forget 4 record(s) of cliadmin.charge" in declined.stdout
-    assert "Forget 6 record(s) of 4 task namespace(s)?" in declined.stderr
+    # 4 namespaces of this app's own, plus those of shared tasks other suites registered.
+    assert re.search(r"Forget 6 record\(s\) of \d+ task namespace\(s\)\?", declined.stderr)
     assert names(redis_client, key_prefix) == before
 
     done = ok(run_cli("forget", "--all", input="y\n"))

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -406,15 +407,27 @@ def ensure_worker(client: Any, distro: Distro, images: Images, root: Path = ROOT
 
 
 def ensure(distros: Iterable[str] = ("bookworm",), root: Path = ROOT) -> Images:
-    """Make (or find) the base and worker images of ``distros``; see the module doc."""
-    client = _docker()
-    images = Images()
-    for name in distros:
+    """Make (or find) the base and worker images of ``distros``; see the module doc.
+
+    The distributions are built side by side (threads: debootstrap, pip download and docker
+    build mostly wait on the network and on dpkg), after the project's wheel they share.
+    """
+    names = list(dict.fromkeys(distros))
+    for name in names:
         if name not in DISTROS:
             raise BuildError(f"unknown distro {name!r}: choose from {sorted(DISTROS)}")
+    client = _docker()
+    images = Images()
+    project_wheel(images, root)
+
+    def one(name: str) -> None:
         start = time.monotonic()
         ensure_worker(client, DISTROS[name], images, root)
         _timed(images, f"total {name}", start)
+
+    with ThreadPoolExecutor(max_workers=len(names) or 1) as pool:
+        for future in [pool.submit(one, name) for name in names]:
+            future.result()
     return images
 
 

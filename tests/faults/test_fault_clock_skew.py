@@ -25,8 +25,8 @@ from celery_idempotent import (
     LockAcquisitionError,
     RedisIdempotencyStore,
     RedisLockProvider,
-    keyspace,
 )
+from celery_idempotent.backends.redis import keyspace
 from tests.faults.faultlib import record_figures
 
 HOUR = 3600.0

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from celery_idempotent import RedisLockProvider
+from celery_idempotent.backends.redis.keyspace import lock_name
 from celery_idempotent.celery.task import MAX_REQUEUE_COUNTDOWN, requeue_countdown
-from celery_idempotent.keyspace import lock_name
 from tests.faults.faultlib import counter, fault_env, record_figures
 from tests.support.redis_server import RedisServer
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from celery_idempotent.keyspace import decode_record, record_name
+from celery_idempotent.backends.redis.keyspace import decode_record, record_name
 from tests.faults.faultlib import (
     FaultEnv,
     Run,

@@ -130,7 +130,7 @@ import threading
 from django.contrib.auth.models import User
 from django.test import Client
 from appproj.celery import charge
-from celery_idempotent.backends.postgres import backend_from_url
+from celery_idempotent.backends import sql_backend_from_url
 from celery_idempotent.contrib.django.models import IdempotencyKey
 
 charge.apply(args=("o-1",)).get()
@@ -147,7 +147,7 @@ print("list", page.status_code, text.count("order:o-1") > 0, text.count("order:o
 
 # A delivery holds o-1's row (its lock, in a transaction of another thread): the page shows
 # it running, and "forget" keeps it.
-backend = backend_from_url("django://default")
+backend = sql_backend_from_url("django://default")
 print("backend", type(backend).__name__)
 held, leave = threading.Event(), threading.Event()
 def hold():

@@ -34,8 +34,8 @@ from celery_idempotent import (
     RecordDecodeError,
     RedisIdempotencyStore,
     RedisLockProvider,
-    keyspace,
 )
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.store import RedisAtomicBackend
 from tests.support.counting import RoundTrips
 from tests.support.ports import free_port

@@ -31,10 +31,11 @@ from celery_idempotent import (
     RedisLockProvider,
     current_lease,
     fingerprint_payload,
-    keyspace,
 )
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.store import RedisAtomicBackend
 from celery_idempotent.core.two_step import TwoStepBackend
+from celery_idempotent.keyspace import task_key
 
 pytestmark = pytest.mark.redis
 
@@ -220,7 +221,7 @@ def test_upgrade_through_an_idempotent_task(
 
     reset_backends()
     key = charge.idempotency_key_for((5,), {})
-    assert key == keyspace.task_key("upgrade.charge", "args", fingerprint_payload({"order_id": 5}))
+    assert key == task_key("upgrade.charge", "args", fingerprint_payload({"order_id": 5}))
     V1Worker(redis_client, key_prefix).run(key, b'{"old": 5}', fingerprint_payload({"order_id": 5}))
     try:
         assert charge.apply((5,)).get() == {"old": 5}

@@ -26,9 +26,9 @@ from celery_idempotent import (
     RedisIdempotencyStore,
     RedisLockProvider,
     current_lease,
-    keyspace,
 )
 from celery_idempotent.admin import forget_key, read_key, status_of
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis import scripts as redis_scripts
 
 pytestmark = pytest.mark.redis

@@ -14,8 +14,8 @@ from celery_idempotent import (
     LockLostError,
     RedisIdempotencyStore,
     RedisLockProvider,
-    keyspace,
 )
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.store import RedisAtomicBackend, claims_end_marker
 
 pytestmark = pytest.mark.redis

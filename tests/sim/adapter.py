@@ -42,7 +42,7 @@ from .server import Entry, SimRedis
 from .world import Process
 
 try:  # layout v2 (issue 13): one module owns names and the record format
-    from celery_idempotent import keyspace as _keyspace
+    from celery_idempotent.backends.redis import keyspace as _keyspace
 except ImportError:  # pragma: no cover - layout v1
     _keyspace = None  # type: ignore[assignment]
 

@@ -2,7 +2,7 @@
 
 The library's own scripts run on :class:`~.server.SimRedis`; each test ends a lease (release,
 expiry, commit and record expiry), moves the server clock, and asks for the next token. What
-``celery_idempotent.keyspace`` documents: the next token is above the last one unless the
+``backends.redis.keyspace`` documents: the next token is above the last one unless the
 server clock, after the last key carrying that token expired, steps back further than the
 margin (a lock) or to before the token (a record, which lives its TTL past the commit). These
 tests pin both sides of that bound, and the case the simulation found before the tombstones:
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis import scripts as redis_scripts
 
 from .server import SimRedis

@@ -1,6 +1,6 @@
 """Reading a Redis lease as the scripts do: by the deadline in the lock's value.
 
-Since the fencing tombstones (``celery_idempotent.keyspace``), a lease that ends without a
+Since the fencing tombstones (``backends.redis.keyspace``), a lease that ends without a
 commit leaves its lock key behind for ``FENCE_MARGIN_MS`` more, carrying its fencing token:
 the key's existence or ``PTTL`` no longer says whether the lease is held. These helpers say it
 the way the Lua scripts decide it, so tests assert the lease, not a key.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 
 #: What :func:`lease_left_ms` returns when no lease is held (as ``PTTL`` does for no key).
 NO_LEASE = -2

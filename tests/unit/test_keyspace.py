@@ -1,4 +1,5 @@
-"""The keyspace module: task keys, Redis names and the v2 record format round-trip."""
+"""The keyspaces: task keys (every backend's), the names every backend stores a key under, and
+what Redis adds (fence names, lock values, the v2 record format) round-trip."""
 
 from __future__ import annotations
 
@@ -6,19 +7,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from celery_idempotent import keyspace
-from celery_idempotent.keyspace import (
+from celery_idempotent.backends.redis import keyspace
+from celery_idempotent.backends.redis.keyspace import (
     decode_record,
     encode_record,
     fence_name,
+    lock_entry,
     lock_name,
     lock_value,
+    parse_lease_token,
+    parse_lock,
     parse_lock_value,
     parse_name,
-    parse_task_key,
     record_name,
-    task_key,
 )
+from celery_idempotent.core import names
+from celery_idempotent.keyspace import parse_task_key, task_key
 
 
 def test_task_keys_round_trip_and_the_earliest_marker_wins() -> None:
@@ -42,6 +46,13 @@ def test_names_of_a_key_share_a_hash_tag_and_parse_back() -> None:
     assert parse_name(record, "p:") == ("record", "t:key:k")
     assert parse_name(fence_name(lock), "p:") == ("fence", "t:key:k")
     assert parse_name("other:{x}", "p:") is None
+    assert parse_name("p:lock:{}:fence", "p:") is None
+    assert parse_name("p:lock:{a{b}:fence", "p:") is None
+    # The names every backend shares parse alike without Redis; a fence name is Redis's own.
+    assert names.parse_name(lock, "p:") == ("lock", "t:key:k")
+    assert names.parse_name(record, "p:") == ("record", "t:key:k")
+    assert names.parse_name(fence_name(lock), "p:") is None
+    assert (keyspace.lock_name, keyspace.record_name) == (names.lock_name, names.record_name)
 
 
 def test_lock_values_carry_the_fencing_token_and_the_owner() -> None:
@@ -49,6 +60,18 @@ def test_lock_values_carry_the_fencing_token_and_the_owner() -> None:
     assert value == "17/abc@host:1:ff"
     assert parse_lock_value(value) == (17, "host:1:ff")
     assert parse_lock_value("abc@host:1:ff") == (None, "host:1:ff")  # a 0.1.0 lock
+    assert parse_lease_token(value) == (17, "host:1:ff")
+    entry = lock_entry(1_796_000_000_000, value)
+    assert parse_lock_value(entry) == (17, "host:1:ff")
+    assert parse_lock(entry) == (1_796_000_000_000, 17, value, "host:1:ff")
+    assert parse_lock(entry).held(1_795_999_999_999)
+    assert not parse_lock(entry).held(1_796_000_000_000)  # past its deadline: a tombstone
+    old = parse_lock("abc@host:1:ff")  # 0.1.0's lock: no deadline, held while it exists
+    assert (old.deadline_ms, old.fencing_token, old.owner) == (None, None, "host:1:ff")
+    assert old.held(1e15)
+    # "<fencing token>/<token>" is a lease's token; no release stored it as a lock's value.
+    with pytest.raises(ValueError, match="not a lock value"):
+        parse_lock(value)
 
 
 @given(

@@ -9,6 +9,7 @@ from typing import Any
 from celery_idempotent.backends.mysql.backend import MySQLBackend
 from celery_idempotent.backends.mysql.sql import DEFAULT_TABLE, LOCK_ERRORS, ddl, error_code
 from celery_idempotent.backends.postgres.connections import Rollback, Transaction
+from celery_idempotent.backends.postgres.django_backend import app_installed
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
 __all__ = ["DjangoMySQLBackend"]
@@ -106,9 +107,7 @@ class DjangoMySQLBackend(MySQLBackend):
             cur.execute(self.sql.exists, list(self.sql.exists_params))
             row = cur.fetchone()
         if not (row and row[0]):
-            from celery_idempotent.contrib.django import is_installed  # noqa: PLC0415
-
-            if is_installed():
+            if app_installed():
                 raise IdempotencyConnectionError(
                     None,
                     f"table {self.table} does not exist on django://{self.alias}: with "

@@ -61,25 +61,17 @@ __all__ = [
 def backend_from_url(
     url: str, *, serializer: str = "json", accept: Iterable[str] | None = ("json",)
 ) -> PostgresBackend:
-    """The backend an ``idempotency_url`` of this module's schemes stands for (and of
-    ``mysql://``, or ``django://`` on Django's MySQL engine: the MySQL backend)."""
+    """The PostgreSQL backend an ``idempotency_url`` of this module's schemes stands for
+    (``django://`` as PostgreSQL: :func:`celery_idempotent.backends.sql_backend_from_url` picks
+    the MySQL backend for ``mysql://`` and ``django://`` on Django's MySQL engine)."""
     if url.startswith("mysql://"):
-        from celery_idempotent.backends import mysql  # noqa: PLC0415 - PyMySQL only when used
-
-        return mysql.backend_from_url(url, serializer=serializer, accept=accept)
+        raise ValueError(
+            "a mysql:// URL is the MySQL backend's: build it with "
+            "celery_idempotent.backends.sql_backend_from_url (or backends.mysql.backend_from_url)"
+        )
     if url.startswith("django://"):
         rest, options = split_url(url)
         alias = urlsplit(rest).netloc or "default"
-        if _django_vendor(alias) == "mysql":
-            from celery_idempotent.backends import mysql  # noqa: PLC0415
-
-            return mysql.django_backend_for(
-                alias,
-                table=options.get("table"),
-                lock_timeout=options.get("lock_timeout"),
-                serializer=serializer,
-                accept=accept,
-            )
         return DjangoBackend(
             alias,
             table=options.get("table"),
@@ -90,14 +82,3 @@ def backend_from_url(
     if url.startswith("postgres://"):
         url = "postgresql://" + url[len("postgres://") :]
     return PostgresBackend(url, serializer=serializer, accept=accept)
-
-
-def _django_vendor(alias: str) -> str | None:
-    """The engine vendor of Django's database ``alias`` (``None`` when Django cannot say:
-    the PostgreSQL backend then reports the problem on first use, as before)."""
-    try:
-        from django.db import connections  # noqa: PLC0415 - Django is optional
-
-        return str(connections[alias].vendor)
-    except Exception:
-        return None

@@ -25,6 +25,8 @@ from typing import Any
 from celery_idempotent import keyspace
 from celery_idempotent.backends.postgres.backend import PostgresBackend
 from celery_idempotent.backends.postgres.sql import quote_table
+from celery_idempotent.core import names
+from celery_idempotent.core.states import IN_PROGRESS
 
 __all__ = ["describe", "forget_one", "forget_task", "row_state", "stats"]
 
@@ -47,7 +49,7 @@ def describe(
     """One key's row as a JSON-ready document: ``state`` (``completed``, ``in_progress``: a
     transaction holds the row, or ``absent``), ``record`` (its columns, age and ttl) and, with
     ``show_result``, the decoded ``result`` or why it could not be (``result_error``)."""
-    row = keyspace.record_name(prefix, nkey)
+    row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
     record = None
     if found is not None and found[0] == "completed" and float(found[7]) > 0:
@@ -56,7 +58,7 @@ def describe(
     if record is not None:
         state = "completed"
     elif held:
-        state = "in_progress"
+        state = IN_PROGRESS
     else:
         state = "queued" if queued else "absent"
     now = time.time()
@@ -113,10 +115,10 @@ def forget_one(
     backend: PostgresBackend, prefix: str, nkey: str, *, dry_run: bool
 ) -> dict[str, Any]:
     """Delete one key's row unless a running body holds it."""
-    row = keyspace.record_name(prefix, nkey)
+    row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
     doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
-    doc["state"] = "in_progress" if held else "absent" if found is None else str(found[0])
+    doc["state"] = IN_PROGRESS if held else "absent" if found is None else str(found[0])
     if held or found is None or dry_run:
         return doc
     t = quote_table(backend.table)
@@ -126,7 +128,7 @@ def forget_one(
         )[1]
     except Exception as exc:
         if "lock timeout" in str(exc):
-            doc["state"] = "in_progress"
+            doc["state"] = IN_PROGRESS
             return doc
         raise
     doc["deleted"] = int(deleted)
@@ -192,21 +194,21 @@ def stats(backend: PostgresBackend, prefix: str, namespace: str | None) -> dict[
     per_task: dict[str, dict[str, int]] = {}
     other = expired = 0
     for key, completed in rows[0]:
-        parsed = keyspace.parse_name(key, prefix)
+        parsed = names.parse_name(key, prefix)
         task = keyspace.task_of_slot(parsed[1]) if parsed is not None else None
         if task is None:
             other += 1
             continue
-        counts = per_task.setdefault(task, {"completed": 0, "in_progress": 0})
+        counts = per_task.setdefault(task, {"completed": 0, IN_PROGRESS: 0})
         if key not in free:
-            counts["in_progress"] += 1
+            counts[IN_PROGRESS] += 1
         elif completed:
             counts["completed"] += 1
         else:
             expired += 1
     total = {
         "completed": sum(c["completed"] for c in per_task.values()),
-        "in_progress": sum(c["in_progress"] for c in per_task.values()),
+        IN_PROGRESS: sum(c[IN_PROGRESS] for c in per_task.values()),
     }
     return {
         "table": backend.table,

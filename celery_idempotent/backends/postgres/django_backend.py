@@ -18,15 +18,29 @@ from celery_idempotent.backends.postgres.sql import (
 )
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
-__all__ = ["DjangoBackend"]
+__all__ = ["APP_NAME", "DjangoBackend", "app_installed"]
 
 log = logging.getLogger("celery_idempotent")
 
+#: The dotted name of the Django app whose migrations own the table
+#: (``celery_idempotent.contrib.django``, which re-exports it): named here, below the app, so
+#: that a backend asks Django whether the app is installed without importing it.
+APP_NAME = "celery_idempotent.contrib.django"
 
-def _app_installed() -> bool:
-    from celery_idempotent.contrib.django import is_installed  # noqa: PLC0415
 
-    return is_installed()
+def app_installed() -> bool:
+    """Whether Django is configured with the app in ``INSTALLED_APPS`` (never imports Django
+    for a process that has not loaded it)."""
+    import sys  # noqa: PLC0415
+
+    if "django.apps" not in sys.modules:
+        return False
+    from django.apps import apps  # noqa: PLC0415
+
+    try:
+        return bool(apps.ready and apps.is_installed(APP_NAME))
+    except Exception:  # settings not configured
+        return False
 
 
 class DjangoBackend(PostgresBackend):
@@ -117,7 +131,7 @@ class DjangoBackend(PostgresBackend):
             cur.execute(self.sql.exists, list(self.sql.exists_params))
             row = cur.fetchone()
             if not (row and row[0]):
-                if _app_installed():
+                if app_installed():
                     raise IdempotencyConnectionError(
                         None,
                         f"table {self.table} does not exist on django://{self.alias}: with "

@@ -4,7 +4,7 @@ consistent read of a key, and its forgetting, deciding as a running guard would.
 
 from __future__ import annotations
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.scripts import LUA_TIME, MARGIN, SEP, lua_keep, lua_lock_px
 
 __all__ = ["DROP_FENCE", "FORGET", "READ_KEY"]

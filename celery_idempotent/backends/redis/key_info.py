@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery_idempotent import keyspace
+from celery_idempotent import keyspace as task_keys
 from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis import keyspace
+from celery_idempotent.backends.redis.keyspace import fence_name, lock_name, record_name
 from celery_idempotent.core.codec import serializer_info
-from celery_idempotent.keyspace import fence_name, lock_name, record_name
+from celery_idempotent.core.states import IN_PROGRESS, KeyState
 
 if TYPE_CHECKING:
     import redis
@@ -96,19 +98,19 @@ class KeyInfo:
         """``"completed"``, ``"in_progress"``, ``"queued"`` (published, its body not started)
         or ``"absent"``."""
         if self.record is not None:
-            return "completed"
+            return KeyState.COMPLETED
         if self.lock_token is not None:
-            return "in_progress"
+            return IN_PROGRESS
         if self.queued_task_id is not None:
-            return "queued"
-        return "absent"
+            return KeyState.QUEUED
+        return KeyState.ABSENT
 
     @property
     def holder(self) -> str | None:
         """The owner id of the lock's holder (the token after ``@``), or ``None``."""
         if self.lock_token is None:
             return None
-        return keyspace.parse_lock_value(self.lock_token)[1]
+        return keyspace.parse_lease_token(self.lock_token)[1]
 
     def age(self, now: float) -> float | None:
         """Seconds since the record was committed, by the committing worker's clock."""
@@ -130,7 +132,7 @@ class KeyInfo:
             }
         return {
             "key": self.key,
-            "task": keyspace.task_of_slot(self.key),
+            "task": task_keys.task_of_slot(self.key),
             "state": self.state,
             "record": record,
             "lock": {
@@ -216,7 +218,7 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     if queued is not None and queued.state == keyspace.MARKER_CLAIMED and lock_token is None:
         # Claimed, and the lock holds no valid lease: the delivery ended without a commit.
         dead, queued = queued.task_id, None
-    lease_fence = keyspace.parse_lock_value(lock_token)[0] if lock_token else None
+    lease_fence = keyspace.parse_lease_token(lock_token)[0] if lock_token else None
     fence_key = _int(fence)
     known = [
         f

@@ -1,7 +1,7 @@
 """The record of layout v2 and its neighbours under the record's name: how each is spelled.
 
-``celery_idempotent.keyspace`` owns the names and re-exports these; the Lua scripts take the
-record heads and the v1 field list from here.
+``celery_idempotent.backends.redis.keyspace`` owns the Redis names and re-exports these; the Lua
+scripts take the record heads and the v1 field list from here.
 
 The record (layout v2)
 ----------------------

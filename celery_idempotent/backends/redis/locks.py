@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celery_idempotent import keyspace
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import errors as redis_errors
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis import native as native_redis
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.core import green
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
+from celery_idempotent.core.names import DEFAULT_PREFIX
 from celery_idempotent.core.protocols import Lease
 from celery_idempotent.core.validate import check_count, check_duration
 
@@ -34,7 +35,7 @@ class RedisLockProvider:
 
     Fencing tokens strictly increase per resource: a token is the server's time in µs, or
     one more than the last token the lock (or a fence key) still carries (see
-    ``celery_idempotent.keyspace`` for why no long-lived fence key is needed, and the bound
+    ``backends.redis.keyspace`` for why no long-lived fence key is needed, and the bound
     on a server clock step back). A lease's ``token`` is ``<fencing token>/<random>@<owner_id>``
     (the lock holds it behind the lease's deadline).
 
@@ -50,7 +51,7 @@ class RedisLockProvider:
         url: str | None = None,
         owner_id: str | None = None,
         fence_ttl: Any = 7 * 86_400,
-        key_prefix: str = "idempotency:",
+        key_prefix: str = DEFAULT_PREFIX,
         wait_replicas: int = 0,
         wait_timeout: Any = 1.0,
     ) -> None:
@@ -167,7 +168,7 @@ class RedisLockProvider:
 
     def release(self, lease: Lease, *, unused: bool = False) -> bool:
         """Release the lock if ``lease`` still holds it (one round trip). The lock stays as a
-        tombstone that keeps the lease's fencing token (see ``celery_idempotent.keyspace``);
+        tombstone that keeps the lease's fencing token (see ``backends.redis.keyspace``);
         ``unused=True`` (a lease under which nothing ran, given back at once) deletes it."""
         with redis_errors.translate_errors(lease.resource, "lock release"):
             return bool(

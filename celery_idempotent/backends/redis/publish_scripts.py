@@ -1,11 +1,11 @@
 """The Lua scripts of the publish side: ``apply_async``'s decision, with or without the
 broker's push in the same step, and the queued marker's removal (see
-``celery_idempotent.keyspace`` for the marker, ``celery_idempotent.celery.publish`` for their use).
+``backends.redis.keyspace`` for the marker, ``celery_idempotent.celery.publish`` for their use).
 """
 
 from __future__ import annotations
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.scripts import LUA_LEASE_VALID, LUA_MARKER, SEP
 
 __all__ = [

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import scripts as redis_scripts
-from celery_idempotent.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name, task_of_slot
+from celery_idempotent.backends.redis.keyspace import HEAD_CHARS, SHORTENED_MARK, parse_name
+from celery_idempotent.keyspace import task_of_slot
 
 __all__ = [
     "SAMPLE",

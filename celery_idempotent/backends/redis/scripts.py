@@ -7,15 +7,16 @@ connection errors) decides the same as the first: a claim by the token that alre
 lock succeeds again, and a commit that already happened reports success.
 
 The names and formats they read and write (the lock with its lease's deadline, the record
-string, the fence key, the tombstone a lease leaves) are those of ``celery_idempotent.keyspace``,
-whose docstring says why fencing tokens increase and within which bound. The publish side's
+string, the fence key, the tombstone a lease leaves) are those of
+``celery_idempotent.backends.redis.keyspace``, whose docstring says why fencing tokens increase
+and within which bound. The publish side's
 scripts are in ``redis_publish_scripts``, the admin's in ``redis_admin_scripts``; the Lua
 fragments they share (``LUA_TIME``, :func:`lua_keep`, :func:`lua_lock_px`) are here.
 """
 
 from __future__ import annotations
 
-from celery_idempotent import keyspace
+from celery_idempotent.backends.redis import keyspace
 
 __all__ = [
     "ACQUIRE",
@@ -34,7 +35,7 @@ __all__ = [
     "lua_lock_px",
 ]
 
-# The scripts of layout v2 (see celery_idempotent.keyspace for the names, the record format and
+# The scripts of layout v2 (see backends.redis.keyspace for the names, the record format and
 # why fencing tokens increase without a long-lived fence key). Lua numbers are doubles: a token
 # in µs since 1970 (about 1.8e15) is exact below 2**53.
 #

@@ -14,9 +14,9 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from celery_idempotent import keyspace
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import errors as redis_errors
+from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis import lean as redis_lean
 from celery_idempotent.backends.redis import publish_scripts as redis_publish_scripts
 from celery_idempotent.backends.redis import scripts as redis_scripts
@@ -46,7 +46,7 @@ def _seconds_left(pttl: Any) -> float | None:
 
 
 class RedisIdempotencyStore:
-    """Committed results in Redis, each a hash with a server-side TTL.
+    """Committed results in Redis, each one string (layout v2) with a server-side TTL.
 
     Pass a ready ``client`` or a ``url``. ``serializer`` is a kombu serializer name (``"json"``,
     ``"msgpack"``, ``"yaml"``, ``"pickle"``) used to store results; ``accept`` lists the
@@ -173,7 +173,7 @@ class RedisIdempotencyStore:
     # -- encoding ---------------------------------------------------------------------------
 
     def encode(self, key: str, record: IdempotencyRecord) -> bytes:
-        """The stored form of ``record`` (see ``celery_idempotent.keyspace``);
+        """The stored form of ``record`` (see ``backends.redis.keyspace``);
         ResultEncodeError if the serializer refuses the result."""
         data = self.codec.dumps(key, record.result)
         return keyspace.encode_record(

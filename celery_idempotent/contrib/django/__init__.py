@@ -21,23 +21,12 @@ sequence) are in the migration, per database vendor.
 
 from __future__ import annotations
 
-#: The app's label (``manage.py migrate celery_idempotent``) and dotted name.
+# The backends ask whether this app is installed (with it they run no DDL), and sit below it:
+# the app's dotted name and that question are theirs, re-exported here.
+from celery_idempotent.backends.postgres.django_backend import APP_NAME
+from celery_idempotent.backends.postgres.django_backend import app_installed as is_installed
+
+#: The app's label (``manage.py migrate celery_idempotent``); its dotted name is ``APP_NAME``.
 APP_LABEL = "celery_idempotent"
-APP_NAME = "celery_idempotent.contrib.django"
 
 __all__ = ["APP_LABEL", "APP_NAME", "is_installed"]
-
-
-def is_installed() -> bool:
-    """Whether Django is configured with this app in ``INSTALLED_APPS`` (never imports Django
-    for a process that has not loaded it)."""
-    import sys  # noqa: PLC0415
-
-    if "django.apps" not in sys.modules:
-        return False
-    from django.apps import apps  # noqa: PLC0415
-
-    try:
-        return bool(apps.ready and apps.is_installed(APP_NAME))
-    except Exception:  # settings not configured
-        return False
