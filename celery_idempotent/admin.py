@@ -244,14 +244,24 @@ def status_from_guard(
             fingerprint=record.fingerprint,
         )
     # A store with the publish side's marker (PostgreSQL) may say who queued the key.
-    queued_of = getattr(guard.store, "queued_marker", None)
-    marker = queued_of(guard.record_key(key)) if callable(queued_of) else None
+    # With its age and whether a delivery claimed it, where the store says (PostgreSQL).
+    info_of = getattr(guard.store, "queued_marker_info", None)
+    info = info_of(guard.record_key(key)) if callable(info_of) else None
+    if info is not None:
+        task_id, ttl, age, claimed = info
+        marker: tuple[str, float] | None = (task_id, ttl)
+    else:
+        queued_of = getattr(guard.store, "queued_marker", None)
+        marker = queued_of(guard.record_key(key)) if callable(queued_of) else None
+        age, claimed = None, None
     task_id, ttl = marker if marker is not None else (None, None)
     is_locked = getattr(guard.lock_provider, "is_locked", None)
     if callable(is_locked) and is_locked(guard.lock_resource(key)):
         return IdempotencyStatus(key=key, state=KeyState.RUNNING, task_id=task_id)
     if marker is not None:
-        return IdempotencyStatus(key=key, state=KeyState.QUEUED, task_id=task_id, ttl=ttl)
+        return IdempotencyStatus(
+            key=key, state=KeyState.QUEUED, task_id=task_id, ttl=ttl, age=age, claimed=claimed
+        )
     return IdempotencyStatus(key=key, state=KeyState.ABSENT)
 
 

@@ -174,6 +174,39 @@ def test_status_and_forget_see_the_marker(pg_backend: Any) -> None:
     assert admin.status_from_guard(guard, key).state == "absent"
 
 
+def test_status_shows_the_markers_age_and_whether_a_delivery_claimed_it(pg_backend: Any) -> None:
+    """SPEC §8: ``Task.idempotency_status`` (and ``inspect``) show a queued key's age and
+    whether a delivery ever claimed it, on PostgreSQL as on Redis."""
+    from celery_idempotent import DistributedIdempotencyGuard, admin
+    from celery_idempotent.backends.postgres import admin as pg_admin
+
+    guard = DistributedIdempotencyGuard(store=pg_backend, lock_provider=pg_backend)
+    key = "pub.charge:key:order-1"
+    assert (guard.record_key(key), guard.lock_resource(key)) == (REC, LOCK)
+    assert check(pg_backend, "t-1").action == "publish"
+    time.sleep(0.3)
+    fresh = admin.status_from_guard(guard, key)
+    assert (fresh.state, fresh.task_id, fresh.claimed) == ("queued", "t-1", False)
+    assert fresh.age is not None
+    assert 0.25 <= fresh.age < 30
+    doc = pg_admin.describe(pg_backend, "idempotency:", key, show_result=False, shown_url="pg")
+    assert doc["queued"]["claimed"] is False
+    assert 0.25 <= doc["queued"]["age"] < 30
+    # Claimed, then queued again (a published retry): "claimed" says a delivery had it.
+    claim = pg_backend.claim(LOCK, REC, 30)
+    assert claim.lease is not None
+    assert pg_backend.requeue_marker(REC, "t-1", 60) is True
+    pg_backend.release(claim.lease)
+    again = admin.status_from_guard(guard, key)
+    assert (again.state, again.task_id, again.claimed) == ("queued", "t-1", True)
+    doc = pg_admin.describe(pg_backend, "idempotency:", key, show_result=False, shown_url="pg")
+    assert doc["queued"]["claimed"] is True
+    # A fresh publish after the key frees is unclaimed again.
+    admin.forget_from_guard(guard, key, force=False)
+    assert check(pg_backend, "t-2").action == "publish"
+    assert admin.status_from_guard(guard, key).claimed is False
+
+
 def test_a_subclass_without_the_statement_leaves_publishes_to_the_guard(pg_backend: Any) -> None:
     from celery_idempotent.celery.publish import publish_checker
 

@@ -83,6 +83,11 @@ def describe(
         doc["queued"] = {
             "task_id": bytes(found[8]).decode("utf-8", "replace") if found[8] else None,
             "ttl": float(found[7]),
+            # seconds since the publish (the publisher's clock), and whether a delivery
+            # claimed it before it was queued again (``requeue_marker`` types the row; a
+            # subclass without that statement, MySQL, does not say: ``None``)
+            "age": None if found[6] is None else max(0.0, now - float(found[6])),
+            "claimed": (found[3] == "requeued") if hasattr(backend.sql, "queued_info") else None,
         }
     if record is not None:
         created = float(record[6]) if record[6] is not None else None

@@ -355,6 +355,21 @@ class PostgresBackend(PsycopgTransactions):
         data, ttl = rows[0]
         return bytes(data).decode("utf-8", "replace"), float(ttl)
 
+    def queued_marker_info(self, record: str) -> tuple[str, float, float | None, bool] | None:
+        """``(task id, seconds left, age, claimed)`` of ``record``'s live queued marker, else
+        ``None``: ``age`` is seconds since its publish (the publisher's clock), ``claimed``
+        whether a delivery claimed it before it was queued again (a published retry,
+        ``Reject(requeue=True)``). ``None`` on a subclass whose statements lack it."""
+        statement = getattr(self.sql, "queued_info", None)
+        if statement is None or not self.checks_publishes():
+            return None
+        rows = self.autocommit([(statement, (self._row(record),))])[0]
+        if not rows:
+            return None
+        data, ttl, created_at, claimed = rows[0]
+        age = None if created_at is None else max(0.0, time.time() - float(created_at))
+        return bytes(data).decode("utf-8", "replace"), float(ttl), age, bool(claimed)
+
     def requeue_marker(self, record: str, task_id: str, publish_ttl: float) -> bool:
         """The running delivery of ``task_id`` went back to the queue (a published retry,
         ``Reject(requeue=True)``): its claimed marker is queued again for ``publish_ttl``

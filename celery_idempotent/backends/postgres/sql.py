@@ -225,6 +225,15 @@ class Statements:
             f"SELECT result, extract(epoch FROM expires_at - statement_timestamp()) FROM {t} "
             "WHERE key = %s AND state = 'queued' AND expires_at > statement_timestamp()"
         )
+        # The same, with what ``Task.idempotency_status`` shows of a queued key: the publish
+        # time (the publisher's clock) and whether a delivery claimed it before it was queued
+        # again (``requeue_marker`` sets ``content_type`` to 'requeued' on the marker row; a
+        # fresh publish clears it, and a marker row holds no result of its own to type).
+        self.queued_info = (
+            f"SELECT result, extract(epoch FROM expires_at - statement_timestamp()), "
+            f"created_at, COALESCE(content_type = 'requeued', false) FROM {t} "
+            "WHERE key = %s AND state = 'queued' AND expires_at > statement_timestamp()"
+        )
         # Never waits: a row a running delivery holds is left to that delivery's end.
         self.drop_queued = (
             f"DELETE FROM {t} WHERE key = (SELECT key FROM {t} WHERE key = %s "
@@ -240,7 +249,7 @@ class Statements:
         )
         # A claimed marker queued again (a retry was published, Reject(requeue=True)).
         self.requeue_marker = (
-            f"UPDATE {t} SET state = 'queued', "
+            f"UPDATE {t} SET state = 'queued', content_type = 'requeued', "
             "expires_at = statement_timestamp() + make_interval(secs => %s) "
             f"WHERE key = (SELECT key FROM {t} WHERE key = %s AND state = 'claimed' "
             "AND result = convert_to(%s, 'UTF8') FOR UPDATE SKIP LOCKED)"

@@ -5,7 +5,9 @@ Configured from the environment: ``LC_REDIS_URL`` (result backend, idempotency s
 run), ``LC_QUEUE`` (the default queue), ``LC_ACKS``: ``early`` (Celery's default), ``late``
 (``task_acks_late``) or ``late_reject`` (``task_acks_late`` + ``task_reject_on_worker_lost``).
 Bodies count their runs in Redis (``INCR``), so the tests see how often each one really ran.
-``LC_VISIBILITY``: kombu's Redis ``visibility_timeout`` (3600 s unless set).
+``LC_IDEM_URL``: the idempotency backend (default: the Redis; a ``postgresql://`` URL
+runs the matrix on PostgreSQL). ``LC_VISIBILITY``: kombu's Redis ``visibility_timeout``
+(3600 s unless set).
 ``lock_ttl`` is short (2 s) so that "free within lock_ttl" is quick to see.
 """
 
@@ -40,7 +42,7 @@ app.conf.update(
     accept_content=["json"],
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
-    idempotency_url=URL,
+    idempotency_url=os.environ.get("LC_IDEM_URL") or URL,
     idempotency_key_prefix=f"{PREFIX}idem:",
     idempotency_lock_ttl=LOCK_TTL,
     task_acks_late=ACKS in ("late", "late_reject"),
