@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.redis]
 
 _cells: dict[tuple[str, str], lcm.Cell] = {}
 
-#: Not run here (open, issue 22 follow-up): after a hard time limit on PostgreSQL the
-#: identical re-submission was, in about one run in three, never received by the worker
-#: within 30 s (the key read ``absent`` first); the Redis matrix runs the row.
+#: Not run here (open, issue 22 follow-up): after a hard time limit on PostgreSQL, in about
+#: one run in four, ``idempotency_status`` read ``absent`` and the identical ``delay()`` made
+#: just after it returned the first (failed) call's ``AsyncResult``, publishing nothing: the
+#: publish check still saw the killed child's row as claimed and locked. The Redis matrix
+#: runs the row.
 OPEN_ON_POSTGRES = {"hard time limit"}
 ROWS = [row for row in lcm.ROWS if row not in OPEN_ON_POSTGRES]
 
