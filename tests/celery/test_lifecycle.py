@@ -32,7 +32,8 @@ from celery_idempotent.celery.factory import reset_backends
 from tests.support.keys import delete_keys_with_prefix
 from tests.support.workers import WorkerGroup, start_workers
 
-pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.redis]
+# A campaign of its own (minutes of real workers): .ci/run runs it after the README's command.
+pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.redis, pytest.mark.campaign]
 
 APPS_DIR = Path(__file__).parent / "apps"
 TIMEOUT = 30

@@ -18,7 +18,8 @@ from tests.celery import test_lifecycle as lcm
 from tests.postgres.conftest import drop_table
 from tests.support.workers import WorkerGroup, start_workers
 
-pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.redis]
+# A campaign of its own (minutes of real workers): .ci/run runs it after the README's command.
+pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.redis, pytest.mark.campaign]
 
 _cells: dict[tuple[str, str], lcm.Cell] = {}
 

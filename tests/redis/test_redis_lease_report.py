@@ -11,6 +11,7 @@ order is the soak's every time.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -124,4 +125,7 @@ def test_a_lease_lost_while_the_body_ran_is_still_reported_once(
     assert store.get(guard.record_key("k")) is None
     lines = lost_lines(caplog)
     assert len(lines) == 1, lines
-    assert "not committed" in lines[0]
+    # Whichever saw the loss first says it: the guard ("... not committed") or, when the
+    # renewal's refusal arrived while the body still ran, the keeper ("... will not be
+    # committed"). Either way, one line, and it says the result is not committed.
+    assert re.search(r"not (be )?committed", lines[0]), lines[0]
