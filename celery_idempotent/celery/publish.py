@@ -212,6 +212,16 @@ def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision
                 check.publish_ttl,
                 until=check.until,
             )
+        if check.until == "started":  # a store that publishes_until_started
+            started: Any = store
+            return started.check_publish(  # type: ignore[no-any-return]
+                check.record,
+                check.lock,
+                task_id,
+                check.fingerprint,
+                check.publish_ttl,
+                until=check.until,
+            )
         return store.check_publish(
             check.record, check.lock, task_id, check.fingerprint, check.publish_ttl
         )
@@ -331,14 +341,15 @@ def _plan_publish(
         return _PublishPlan(task_id=task_id)
     key, _, fingerprint = prepared
     guard = factory.guard(task, base)
-    if cfg.idempotency_publish_until == "started" and not isinstance(
-        guard.store, RedisIdempotencyStore
+    if cfg.idempotency_publish_until == "started" and not (
+        isinstance(guard.store, RedisIdempotencyStore)
+        or getattr(guard.store, "publishes_until_started", False)
     ):
-        # Only the Redis publish side ends a call's marker when its delivery claims the key.
+        # Only the Redis and SQL publish sides end a call's marker as its delivery starts.
         raise ValueError(
-            f"idempotency_publish_until='started' of task {task.name} needs a Redis "
-            f"idempotency_url (the publish side that ends a call's queued marker when it "
-            f"starts); its store is a {type(guard.store).__name__}"
+            f"idempotency_publish_until='started' of task {task.name} needs a Redis, "
+            f"PostgreSQL or MySQL/MariaDB idempotency_url (a publish side that ends a call's "
+            f"queued marker when it starts); its store is a {type(guard.store).__name__}"
         )
     store = publish_checker(guard.store)
     if store is None:  # the run-time guard decides alone
