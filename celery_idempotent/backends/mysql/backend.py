@@ -29,11 +29,17 @@ from celery_idempotent.backends.mysql.sql import (
     Statements,
     error_code,
     lock_seconds,
+    markers_ddl,
     quote_table,
 )
 from celery_idempotent.backends.postgres.backend import PostgresBackend
 from celery_idempotent.backends.postgres.connections import ended_by_body, split_url
-from celery_idempotent.backends.postgres.sql import PUBLISH_PARAMS, decode_row, record_columns
+from celery_idempotent.backends.postgres.sql import (
+    PUBLISH_PARAMS,
+    STARTED_PARAMS,
+    decode_row,
+    record_columns,
+)
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
 from celery_idempotent.core.validate import check_delay, check_duration, check_ttl
@@ -163,6 +169,39 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             raise
         found: list[Any] = results[6]
         return found
+
+    def _started_statement(self, params: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
+        """The publish check of ``idempotency_publish_until="started"`` (the PostgreSQL
+        statement's steps, one flight): (a live record, the queued slot's task id, its
+        fingerprint, its seconds left). The upsert waits only for another publisher's or a
+        starter's statement on the slot (at least 1 s); a deadlock between publishers (InnoDB
+        rolled one back) is tried again."""
+        values = dict(zip(STARTED_PARAMS, params))
+        key = values["key"]
+        statements = [
+            (self.sql.wait, (max(1, self.wait_seconds),)),
+            (self.sql.started_rec, (key,)),
+            (
+                self.sql.started_put,
+                (key, values["tid"], values["fp"], values["now"], values["ttl"]),
+            ),
+            (self.sql.started_seen, (key,)),
+            (self.sql.wait_reset, ()),
+        ]
+        for attempt in range(3):
+            try:
+                rows = self.autocommit(statements)[3]
+                break
+            except Exception as exc:
+                if error_code(exc) not in LOCK_ERRORS or attempt == 2:
+                    raise
+        completed, first, stored_fp, left = rows[0]
+        return bool(completed), first, stored_fp, left
+
+    def _create_markers(self) -> None:
+        """Run the marker table's DDL (``CREATE TABLE IF NOT EXISTS`` is safe to race)."""
+        statements = [(s, ()) for s in markers_ddl(self.table).split(";\n") if s.strip()]
+        self.autocommit(statements)
 
     # -- lock provider ------------------------------------------------------------------------
 
@@ -327,4 +366,6 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             self._finish(tx)
         else:
             self._rollback(tx)
+        if self.markers_ready(create=False):
+            count += int(self.autocommit([(self.sql.cleanup_markers, (n,))])[0])
         return count
