@@ -104,9 +104,14 @@ def inspect(
             "absent": "absent",
         }
         pairs = [("key", nkey), ("state", states[state])]
+        if doc.get("running") is not None:  # idempotency_publish_until="started"
+            pairs.append(("running as", f"task {doc['running']['task_id']}"))
         if doc.get("queued") is not None:
             pairs += [
-                ("task id", str(doc["queued"]["task_id"] or "-")),
+                (
+                    "queued behind it" if doc.get("running") else "task id",
+                    str(doc["queued"]["task_id"] or "-"),
+                ),
                 ("marker ttl left", format_duration(doc["queued"]["ttl"])),
             ]
         if record is not None:

@@ -17,6 +17,7 @@ from tests.support.sql_started import (  # noqa: F401 - collected here against P
     test_an_install_from_before_gets_the_marker_table_at_first_use,
     test_concurrent_publishes_queue_exactly_one,
     test_drop_queued_and_forget_end_the_markers,
+    test_inspect_and_forget_of_the_cli_read_the_marker_table,
     test_one_running_one_queued_a_third_stopped,
     test_status_reports_the_running_call_and_the_queued_one,
     test_ttl_zero_lets_the_queued_call_run_after_the_first,

@@ -217,3 +217,29 @@ def test_an_install_from_before_gets_the_marker_table_at_first_use(
     finally:
         plain.close()
         fixed.close()
+
+
+def test_inspect_and_forget_of_the_cli_read_the_marker_table(
+    started_db: StartedDb, held: Callable[[str], None]
+) -> None:
+    """``celery idempotency inspect`` (the dialect's admin ``describe``) names the running call
+    and the queued one; ``forget`` of a key a body holds keeps it, of a queued key ends it."""
+    from celery_idempotent.cli.postgres import admin_of
+
+    backend = started_db.backend
+    sql_admin = admin_of(backend)
+    nkey = KEY
+    assert publish(backend, "t-1").action == "publish"
+    doc = sql_admin.describe(backend, "idempotency:", nkey, show_result=False, shown_url="-")
+    assert (doc["state"], doc["queued"]["task_id"]) == ("queued", "t-1")
+    held("t-1")
+    assert publish(backend, "t-2").action == "publish"
+    doc = sql_admin.describe(backend, "idempotency:", nkey, show_result=False, shown_url="-")
+    assert doc["held"]
+    assert (doc["running"]["task_id"], doc["queued"]["task_id"]) == ("t-1", "t-2")
+    kept = sql_admin.forget_one(backend, "idempotency:", nkey, dry_run=False)
+    assert kept["deleted"] == 0  # held: nothing deleted, the queued call stays
+    assert publish(backend, "t-3").task_id == "t-2"
+    gone = sql_admin.forget_task(backend, "idempotency:", "st.job", dry_run=False)
+    assert gone["records"] == 1  # the queued marker (the held row is kept)
+    assert publish(backend, "t-3").action == "publish"

@@ -85,6 +85,7 @@ def describe(
             "task_id": bytes(found[8]).decode("utf-8", "replace") if found[8] else None,
             "ttl": float(found[7]),
         }
+    _started_slots(backend, doc, row, held)
     if record is not None:
         created = float(record[6]) if record[6] is not None else None
         doc["record"] = {
@@ -109,6 +110,10 @@ def forget_one(backend: MySQLBackend, prefix: str, nkey: str, *, dry_run: bool) 
     found, held = row_state(backend, row)
     doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
     doc["state"] = IN_PROGRESS if held else "absent" if found is None else str(found[0])
+    if not held and not dry_run:
+        doc["deleted"] = backend.forget_markers(row)  # the "started" mode's markers
+        if found is None and doc["deleted"]:
+            doc["state"] = "queued"
     if held or found is None or dry_run:
         return doc
     t = quote_table(backend.table)
@@ -124,8 +129,21 @@ def forget_one(backend: MySQLBackend, prefix: str, nkey: str, *, dry_run: bool) 
             doc["state"] = IN_PROGRESS
             return doc
         raise
-    doc["deleted"] = int(found_free[1])
+    doc["deleted"] += int(found_free[1])
     return doc
+
+
+def _started_slots(backend: Any, doc: dict[str, Any], row: str, held: bool) -> None:
+    """The marker table's slots of ``idempotency_publish_until="started"`` into ``doc``:
+    the running call (``running``, while the row is held) and the one queued behind it."""
+    slots = backend.started_slots(row)
+    running, queued = slots.get("running"), slots.get("queued")
+    if held and running is not None:
+        doc["running"] = {"task_id": running[0], "age": running[1]}
+    if queued is not None and doc.get("queued") is None and doc["state"] != "completed":
+        doc["queued"] = {"task_id": queued[0], "ttl": queued[2], "age": queued[1], "claimed": False}
+        if doc["state"] == "absent":
+            doc["state"] = "queued"
 
 
 def _like(prefix: str, namespace: str | None) -> str:
@@ -150,7 +168,8 @@ def forget_task(
             ]
         )
         total, free = int(rows[0][0][0]), len(rows[1])
-        return {"records": free, "held": total - free, "deleted": 0, "dry_run": True}
+        marked = backend.forget_markers_like(like, dry_run=True)
+        return {"records": free + marked, "held": total - free, "deleted": 0, "dry_run": True}
     # A DELETE cannot skip locked rows: lock the free ones first, then delete those.
     tx, rows = backend._begin(
         "",
@@ -171,7 +190,13 @@ def forget_task(
         backend._rollback(tx)
         raise
     backend._finish(tx)
-    return {"records": deleted, "held": total - deleted, "deleted": deleted, "dry_run": False}
+    deleted_all = deleted + backend.forget_markers_like(like)  # the "started" mode's queued
+    return {
+        "records": deleted_all,
+        "held": total - deleted,
+        "deleted": deleted_all,
+        "dry_run": False,
+    }
 
 
 def stats(backend: MySQLBackend, prefix: str, namespace: str | None) -> dict[str, Any]:

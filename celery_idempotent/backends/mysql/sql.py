@@ -339,8 +339,10 @@ class Statements:
             f"WHERE `key` = %s AND {live}"
         )
         self.forget_markers = f"DELETE FROM {m} WHERE `key` = %s"
-        self.count_markers_like = f"SELECT COUNT(*) FROM {m} WHERE `key` LIKE %s AND {live}"
-        self.forget_markers_like = f"DELETE FROM {m} WHERE `key` LIKE %s"
+        self.count_markers_like = (
+            f"SELECT COUNT(*) FROM {m} WHERE `key` LIKE %s AND slot = 'queued' AND {live}"
+        )
+        self.forget_markers_like = f"DELETE FROM {m} WHERE `key` LIKE %s AND slot = 'queued'"
         self.cleanup_markers = (
             f"DELETE FROM {m} WHERE expires_at < {now} ORDER BY expires_at LIMIT %s"
         )

@@ -89,6 +89,7 @@ def describe(
             "age": None if found[6] is None else max(0.0, now - float(found[6])),
             "claimed": (found[3] == "requeued") if hasattr(backend.sql, "queued_info") else None,
         }
+    _started_slots(backend, doc, row, held)
     if record is not None:
         created = float(record[6]) if record[6] is not None else None
         doc["record"] = {
@@ -119,6 +120,10 @@ def forget_one(
     found, held = row_state(backend, row)
     doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
     doc["state"] = IN_PROGRESS if held else "absent" if found is None else str(found[0])
+    if not held and not dry_run:
+        doc["deleted"] = backend.forget_markers(row)  # the "started" mode's markers
+        if found is None and doc["deleted"]:
+            doc["state"] = "queued"
     if held or found is None or dry_run:
         return doc
     t = quote_table(backend.table)
@@ -131,8 +136,21 @@ def forget_one(
             doc["state"] = IN_PROGRESS
             return doc
         raise
-    doc["deleted"] = int(deleted)
+    doc["deleted"] += int(deleted)
     return doc
+
+
+def _started_slots(backend: Any, doc: dict[str, Any], row: str, held: bool) -> None:
+    """The marker table's slots of ``idempotency_publish_until="started"`` into ``doc``:
+    the running call (``running``, while the row is held) and the one queued behind it."""
+    slots = backend.started_slots(row)
+    running, queued = slots.get("running"), slots.get("queued")
+    if held and running is not None:
+        doc["running"] = {"task_id": running[0], "age": running[1]}
+    if queued is not None and doc.get("queued") is None and doc["state"] != "completed":
+        doc["queued"] = {"task_id": queued[0], "ttl": queued[2], "age": queued[1], "claimed": False}
+        if doc["state"] == "absent":
+            doc["state"] = "queued"
 
 
 def _like(prefix: str, namespace: str | None) -> str:
@@ -161,7 +179,8 @@ def forget_task(
             ]
         )
         total, free = int(rows[0][0][0]), int(rows[1][0][0])
-        return {"records": free, "held": total - free, "deleted": 0, "dry_run": True}
+        marked = backend.forget_markers_like(like, dry_run=True)
+        return {"records": free + marked, "held": total - free, "deleted": 0, "dry_run": True}
     rows = backend.autocommit(
         [
             (f"SELECT count(*) FROM {t} WHERE key LIKE %s", (like,)),
@@ -173,7 +192,13 @@ def forget_task(
         ]
     )
     total, deleted = int(rows[0][0][0]), int(rows[1])
-    return {"records": deleted, "held": total - deleted, "deleted": deleted, "dry_run": False}
+    deleted_all = deleted + backend.forget_markers_like(like)  # the "started" mode's queued
+    return {
+        "records": deleted_all,
+        "held": total - deleted,
+        "deleted": deleted_all,
+        "dry_run": False,
+    }
 
 
 def stats(backend: PostgresBackend, prefix: str, namespace: str | None) -> dict[str, Any]:

@@ -452,7 +452,8 @@ class PostgresBackend(PsycopgTransactions):
         return int(self.autocommit([(self.sql.forget_markers, (self._row(record),))])[0])
 
     def forget_markers_like(self, like: str, *, dry_run: bool = False) -> int:
-        """Delete (``dry_run``: count) the live marker rows whose key is ``LIKE like``."""
+        """Delete (``dry_run``: count) the queued markers whose key is ``LIKE like`` (a
+        running slot stays: it is read only while its key's row is held, and replaced)."""
         if not self.markers_ready(create=False):
             return 0
         if dry_run:

@@ -362,8 +362,10 @@ class Statements:
             f"WHERE key = %s AND {live}"
         )
         self.forget_markers = f"DELETE FROM {m} WHERE key = %s"
-        self.count_markers_like = f"SELECT count(*) FROM {m} WHERE key LIKE %s AND {live}"
-        self.forget_markers_like = f"DELETE FROM {m} WHERE key LIKE %s"
+        self.count_markers_like = (
+            f"SELECT count(*) FROM {m} WHERE key LIKE %s AND slot = 'queued' AND {live}"
+        )
+        self.forget_markers_like = f"DELETE FROM {m} WHERE key LIKE %s AND slot = 'queued'"
         self.cleanup_markers = (
             f"DELETE FROM {m} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {m} "
             "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
