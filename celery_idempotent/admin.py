@@ -145,10 +145,14 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
             holder=info.holder,
         )
     if info.lock_token is not None:
+        # A marker no delivery claimed, beside a held lock, is a call queued behind the
+        # running one (idempotency_publish_until="started": the running call's claim ended
+        # its own marker, and its lease's token names it).
         return IdempotencyStatus(
             key=info.key,
             state=KeyState.RUNNING,
-            task_id=info.queued_task_id,
+            task_id=info.running_task_id,
+            queued_task_id=info.queued_task_id if info.queued_behind else None,
             ttl=info.lock_ttl,
             fencing_token=info.lease_fence,
             holder=info.holder,

@@ -118,8 +118,12 @@ def _print_key(
         "absent": "absent",
     }
     rows: list[tuple[str, str]] = [("key", info.key), ("state", states[info.state])]
+    running = info.running_task_id
+    if running is not None and info.queued_behind:  # idempotency_publish_until="started"
+        rows.append(("running as", f"task {running}"))
     if info.queued_task_id is not None:
-        rows.append(("queued as", f"task {info.queued_task_id}"))
+        label = "queued behind it" if info.queued_behind else "queued as"
+        rows.append((label, f"task {info.queued_task_id}"))
         age = info.queued_age(now)
         rows.append(("queued for", "-" if age is None else format_duration(age)))
         rows.append(("marker ttl", format_duration(info.queued_ttl)))
