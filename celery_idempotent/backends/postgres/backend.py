@@ -344,6 +344,19 @@ class PostgresBackend(PsycopgTransactions):
         params = self.sql.markers_exists_params
         found = bool(self.autocommit([(self.sql.markers_exists, params)])[0][0][0])
         if not found and create:
+            if getattr(self, "alias", None) is not None:  # django://, on Django's connection
+                from celery_idempotent.backends.postgres.django_backend import (  # noqa: PLC0415
+                    app_installed,
+                )
+
+                if app_installed():
+                    raise IdempotencyConnectionError(
+                        None,
+                        f"the marker table {self.sql.markers} of idempotency_publish_until="
+                        "'started' does not exist: with celery_idempotent.contrib.django "
+                        "installed the backend runs no DDL; run `manage.py migrate "
+                        "celery_idempotent` (its 0002_markers creates it)",
+                    )
             if not self.create_table:
                 raise IdempotencyConnectionError(
                     None,
