@@ -110,7 +110,7 @@ def forget(
         target = connect(
             ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task
         )
-        if target.postgres is not None:
+        if not target.admin.can_force:
             _pg_forget(
                 target,
                 target.namespace(task_name),
@@ -134,7 +134,7 @@ def forget(
         return
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task)
     nkey = selection.resolve(target)
-    if target.postgres is not None:
+    if not target.admin.can_force:
         _pg_forget(target, None, nkey, dry_run=dry_run, yes=yes, as_json=as_json)
         return
     _forget_one(
@@ -159,23 +159,22 @@ def _pg_forget(
     as_json: bool,
 ) -> None:
     """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
-    from celery_idempotent.cli.postgres import admin_of  # noqa: PLC0415
+    from celery_idempotent.backends.postgres import admin as sql_admin  # noqa: PLC0415
 
-    pg_admin = admin_of(target.postgres)
-
-    where = f"table {target.postgres.table} on {target.shown_url}"
+    backend: Any = getattr(target.admin, "backend", None)
+    where = target.admin.where
     if not dry_run and not yes and not as_json:
         what = f"key {nkey}" if nkey is not None else f"every record of task {namespace}"
         click.confirm(f"Delete {what} from {where}?", abort=True)
     if nkey is not None:
-        doc = pg_admin.forget_one(target.postgres, target.prefix, nkey, dry_run=dry_run)
+        doc = sql_admin.forget_one(backend, target.prefix, nkey, dry_run=dry_run)
         done = (
             f"{'would delete' if dry_run else 'deleted'} key {nkey}"
             if doc["state"] == "completed" and (dry_run or doc["deleted"])
             else f"key {nkey} is {doc['state'].replace('_', ' ')}: nothing deleted"
         )
     else:
-        doc = pg_admin.forget_task(target.postgres, target.prefix, namespace or "", dry_run=dry_run)
+        doc = sql_admin.forget_task(backend, target.prefix, namespace or "", dry_run=dry_run)
         verb = "would delete" if dry_run else "deleted"
         done = f"{verb} {doc['records']} record(s) of task {namespace} from {where}"
         if doc["held"]:
