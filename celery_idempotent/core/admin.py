@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from celery_idempotent.core.guard import DistributedIdempotencyGuard
 
 __all__ = [
+    "FORCE_HINT",
     "Forgotten",
     "GuardAdmin",
     "IdempotencyStatus",
@@ -37,6 +38,8 @@ __all__ = [
 
 #: A progress line's sink (the CLI's stderr), or ``None``: silent.
 Progress = Callable[[str], None]
+#: How a refusal of a held lock says to force it, from Python (the CLI says ``--force``).
+FORCE_HINT = "pass force=True"
 
 
 @dataclass(frozen=True)
@@ -73,16 +76,15 @@ class Forgotten:
     """What a forget (``Task.idempotency_forget``, ``forget KEY``) did: ``state`` is the key's
     state before, ``deleted`` the names (Redis names, rows or store keys) it deleted.
 
-    ``refused`` says why nothing was deleted when a running body holds the key (without
-    ``force``, or on a backend where no force can take it); ``kept`` the names read that
-    were kept (a lock that changed hands since it was read, a fence key still ahead of the
-    server clock); ``would_delete`` what a dry run would delete.
+    ``kept`` says what was read and kept, and why (a lock that changed hands since it was
+    read, a fence key still ahead of the server clock); ``would_delete`` what a dry run would
+    delete. A running body's key without ``force`` is not a ``Forgotten`` but an
+    :class:`~celery_idempotent.IdempotencyKeyHeldError`.
     """
 
     key: str
     state: str
     deleted: tuple[str, ...] = ()
-    refused: str | None = None
     kept: tuple[str, ...] = ()
     would_delete: tuple[str, ...] = ()
 
@@ -179,6 +181,10 @@ class KeyAdmin(Protocol):
     ) -> NamespaceCount:
         """Delete (``dry_run``: count) every key of one namespace; held ones are kept
         unless ``force`` (where :attr:`can_force`)."""
+        ...
+
+    def namespace_note(self, namespace: str) -> str | None:
+        """What a walk of ``namespace`` cannot reach, said before it starts (``None``: all)."""
         ...
 
     def stats(
@@ -307,6 +313,10 @@ class GuardAdmin:
         raise NotImplementedError(
             f"{self.where}: a store reached only through its protocols cannot list its keys"
         )
+
+    def namespace_note(self, namespace: str) -> str | None:
+        """Nothing to say: a walk is not possible here at all."""
+        return None
 
     def stats(
         self, namespace: str | None, *, batch_size: int = 1000, progress: Progress | None = None

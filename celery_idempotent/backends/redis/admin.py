@@ -17,6 +17,7 @@ from celery_idempotent.backends.redis import scan as redis_scan
 from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
 from celery_idempotent.backends.redis.key_info import KeyInfo, read_key
 from celery_idempotent.core.admin import (
+    FORCE_HINT,
     Forgotten,
     IdempotencyStatus,
     KeyReport,
@@ -26,6 +27,7 @@ from celery_idempotent.core.admin import (
     format_duration,
 )
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError, RecordDecodeError
+from celery_idempotent.core.names import HEAD_CHARS, MAX_READABLE_KEY
 from celery_idempotent.core.states import IN_PROGRESS, KeyState
 
 __all__ = [
@@ -80,7 +82,7 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
     return IdempotencyStatus(key=info.key, state=KeyState.ABSENT)
 
 
-def held_lock_reason(info: KeyInfo, force_hint: str = "pass force=True") -> str:
+def held_lock_reason(info: KeyInfo, force_hint: str = FORCE_HINT) -> str:
     """Why a held lock is not deleted without ``force`` (``force_hint``: how to force it)."""
     return (
         f"the lock {info.lock_name} is held by {info.holder} (lease left "
@@ -115,8 +117,8 @@ def forget_key(
 
     A held lock is deleted only with ``force``, and only if it is still the lease that was
     read (compare-and-delete on its token): a lease taken since is someone else's and stays.
-    ``kept`` names the lock when it changed hands, and a fence key the server clock has not
-    passed yet.
+    ``kept`` says which were kept and why: the lock when it changed hands, a fence key the
+    server clock has not passed yet.
     """
     forget_plan(info, force=force, include_fences=include_fences)
     # One script: the lock is compared with the token that was read; a fence key goes only
@@ -135,10 +137,14 @@ def forget_key(
     marked = info.queued_task_id is not None or info.dead_marker_task_id is not None
     if (info.record is not None or marked) and gone_record:
         deleted.append(info.record_name)
-    if info.lock_token is not None:
-        (deleted if gone_lock else kept).append(info.lock_name)
-    if include_fences and info.fence_value is not None:
-        (deleted if gone_fence else kept).append(info.fence_name)
+    if info.lock_token is not None and gone_lock:
+        deleted.append(info.lock_name)
+    elif info.lock_token is not None:
+        kept.append(f"{info.lock_name}: it changed hands since it was read")
+    if include_fences and info.fence_value is not None and gone_fence:
+        deleted.append(info.fence_name)
+    elif include_fences and info.fence_value is not None:
+        kept.append(f"{info.fence_name}: the server clock is behind its fencing token")
     state = KeyState.of(info.state)
     return Forgotten(key=info.key, state=state, deleted=tuple(deleted), kept=tuple(kept))
 
@@ -340,6 +346,17 @@ class RedisAdmin:
             fences=gone.fences,
             unattributed=gone.unattributed,
             scanned=gone.scanned,
+        )
+
+    def namespace_note(self, namespace: str) -> str | None:
+        """Keys longer than the readable length are stored under a shortened name; for a
+        namespace that fills the kept head, some cannot be told apart from other tasks'."""
+        if len(redis_scan.tagged_task(namespace)) < HEAD_CHARS:
+            return None
+        return (
+            f"keys of {namespace} longer than {MAX_READABLE_KEY} characters are stored under a "
+            f"shortened name that keeps only their first {HEAD_CHARS} characters; those that "
+            "cannot be told apart from other tasks' are reported, not deleted (use --raw)"
         )
 
     def stats(
