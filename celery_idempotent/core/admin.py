@@ -47,7 +47,7 @@ class IdempotencyStatus:
     """What the store holds for one idempotency key, read in one round trip.
 
     ``state`` is a :class:`~celery_idempotent.KeyState` (a ``str``), one of
-    :data:`~celery_idempotent.admin.STATES`. ``task_id`` is the task id of the delivery that
+    ``celery_idempotent.admin.STATES``. ``task_id`` is the task id of the delivery that
     committed (or queued) the key, where the store keeps it (``None`` otherwise). ``age`` is
     seconds since the commit, by the committing worker's clock; ``ttl`` the seconds left of the
     record (completed), of the lease (running) or of the marker (queued). ``fencing_token`` is
