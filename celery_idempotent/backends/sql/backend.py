@@ -30,6 +30,7 @@ from celery_idempotent.backends.sql.records import (
 from celery_idempotent.core.codec import ResultCodec
 from celery_idempotent.core.exceptions import IdempotencyConnectionError, IdempotencyKeyHeldError
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
+from celery_idempotent.core.states import KeyState
 from celery_idempotent.core.validate import check_duration, check_ttl
 from celery_idempotent.urls import redact
 
@@ -393,7 +394,12 @@ class SQLBackend:
                 self.codec, row, (state, stored_fp, ctype, encoding, data, created_at, fence)
             )
             return PublishDecision(
-                "completed", None, stored, stored.fingerprint, state="completed", ttl_left=left
+                "completed",
+                None,
+                stored,
+                stored.fingerprint,
+                state=KeyState.COMPLETED,
+                ttl_left=left,
             )
         if decided == "own":
             return PublishDecision("publish")
@@ -401,7 +407,7 @@ class SQLBackend:
             first = bytes(data).decode("utf-8", "replace") if data is not None else None
             # A claimed marker stops a publish only while its delivery holds the row.
             running = state == "claimed"
-            shown, ttl = ("running", None) if running else ("queued", left)
+            shown, ttl = (KeyState.RUNNING, None) if running else (KeyState.QUEUED, left)
             if fingerprint and stored_fp and stored_fp != fingerprint:
                 return PublishDecision(
                     "mismatch", first, None, stored_fp, state=shown, ttl_left=ttl
