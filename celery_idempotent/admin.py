@@ -50,6 +50,7 @@ from celery_idempotent.core.admin import (
     StatsReport,
     format_duration,
 )
+from celery_idempotent.core.protocols import InspectsKeys
 from celery_idempotent.core.states import KeyState
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def admin_for(
     if cfg.in_memory:
         return GuardAdmin(guard, where=IN_PROCESS) if guard is not None else _Unlisted()
     if cfg.in_postgres:
-        from celery_idempotent.backends.postgres.admin import SqlAdmin  # noqa: PLC0415
+        from celery_idempotent.backends.sql.admin import SqlAdmin  # noqa: PLC0415
 
         shown = redact(cfg.backend_url)
         if store is not None:
@@ -140,8 +141,8 @@ def admin_for(
     from celery_idempotent.settings import make_client_from  # noqa: PLC0415
 
     owned = False
-    if store is not None:
-        client = store.client
+    if isinstance(store, InspectsKeys):
+        client = store.key_client()
     elif cfg.idempotency_client is not None:
         client = make_client_from(cfg.idempotency_client, task_name=task_name)
     else:

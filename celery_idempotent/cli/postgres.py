@@ -1,7 +1,7 @@
 """``celery idempotency sql``: the SQL backends' DDL (PostgreSQL, MySQL / MariaDB).
 
 ``inspect``, ``forget`` and ``stats`` are the same commands on every backend (the SQL
-backends' admin is :class:`~celery_idempotent.backends.postgres.admin.SqlAdmin`); ``sql``, the
+backends' admin is :class:`~celery_idempotent.backends.sql.admin.SqlAdmin`); ``sql``, the
 one command of the SQL backends only, prints the DDL (no connection).
 """
 

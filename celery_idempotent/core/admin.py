@@ -5,7 +5,7 @@ One key's state is an :class:`IdempotencyStatus` (whatever the backend), what a 
 :class:`NamespaceCount`; ``inspect``'s and ``stats``' fuller views are a :class:`KeyReport` and
 a :class:`StatsReport`. The Python API (``Task.idempotency_status``, ``admin.forget_all``) and
 the ``celery idempotency`` commands go through a :class:`KeyAdmin` and never ask which backend
-it is: Redis (``backends.redis.admin``), the SQL backends (``backends.postgres.admin``, one
+it is: Redis (``backends.redis.admin``), the SQL backends (``backends.sql.admin``, one
 logic for PostgreSQL and MySQL) and any guard's protocols (:class:`GuardAdmin`: ``memory://``,
 a store of your own) each implement it.
 """

@@ -27,7 +27,7 @@ import time
 from typing import Any, Protocol
 
 from celery_idempotent import keyspace
-from celery_idempotent.backends.postgres.backend import PostgresBackend
+from celery_idempotent.backends.sql.backend import SQLBackend
 from celery_idempotent.core import names
 from celery_idempotent.core.admin import (
     Forgotten,
@@ -73,7 +73,7 @@ class AdminSql(Protocol):
     def lock_refused(self, exc: BaseException) -> bool: ...
 
 
-def admin_statements(backend: PostgresBackend) -> AdminSql:
+def admin_statements(backend: SQLBackend) -> AdminSql:
     """The admin SQL of ``backend``'s dialect: the ``AdminStatements`` of the module that
     holds its ``Statements`` (each dialect's ``sql.py`` has both), so that nothing below asks
     which dialect it runs on."""
@@ -82,7 +82,7 @@ def admin_statements(backend: PostgresBackend) -> AdminSql:
     return made
 
 
-def row_state(backend: PostgresBackend, row: str) -> tuple[list[Any] | None, bool]:
+def row_state(backend: SQLBackend, row: str) -> tuple[list[Any] | None, bool]:
     """(the row's fields or None, whether a transaction holds it now)."""
     sql = admin_statements(backend)
     rows = backend.autocommit([(sql.row, (row,))])[0]
@@ -101,7 +101,7 @@ def _state(found: list[Any] | None, held: bool) -> KeyState:
 
 
 def describe(
-    backend: PostgresBackend, prefix: str, nkey: str, *, show_result: bool, shown_url: str
+    backend: SQLBackend, prefix: str, nkey: str, *, show_result: bool, shown_url: str
 ) -> dict[str, Any]:
     """One key's row as a JSON-ready document: ``state`` (``completed``, ``in_progress``: a
     transaction holds the row, ``queued`` or ``absent``), ``record`` (its columns, age and
@@ -160,7 +160,7 @@ def describe(
     return doc
 
 
-def _delete_row(backend: PostgresBackend, row: str) -> int | None:
+def _delete_row(backend: SQLBackend, row: str) -> int | None:
     """Delete one row, unless a running body's row lock is not given up in time (``None``)."""
     sql = admin_statements(backend)
     try:
@@ -171,9 +171,7 @@ def _delete_row(backend: PostgresBackend, row: str) -> int | None:
         raise
 
 
-def forget_one(
-    backend: PostgresBackend, prefix: str, nkey: str, *, dry_run: bool
-) -> dict[str, Any]:
+def forget_one(backend: SQLBackend, prefix: str, nkey: str, *, dry_run: bool) -> dict[str, Any]:
     """Delete one key's row unless a running body holds it."""
     row = names.record_name(prefix, nkey)
     found, held = row_state(backend, row)
@@ -198,7 +196,7 @@ def _like(prefix: str, namespace: str | None) -> str:
 
 
 def forget_task(
-    backend: PostgresBackend, prefix: str, namespace: str, *, dry_run: bool
+    backend: SQLBackend, prefix: str, namespace: str, *, dry_run: bool
 ) -> dict[str, Any]:
     """Delete every record of one task's namespace; rows held by running bodies are kept.
 
@@ -228,7 +226,7 @@ def forget_task(
     return {"records": deleted, "held": total - deleted, "deleted": deleted, "dry_run": False}
 
 
-def stats(backend: PostgresBackend, prefix: str, namespace: str | None) -> dict[str, Any]:
+def stats(backend: SQLBackend, prefix: str, namespace: str | None) -> dict[str, Any]:
     """Completed records and held rows per task (one pass over the prefix's rows)."""
     sql = admin_statements(backend)
     like = _like(prefix, namespace)
@@ -280,7 +278,7 @@ class SqlAdmin:
     can_force = False
 
     def __init__(
-        self, backend: PostgresBackend, prefix: str, shown_url: str, *, owned: bool = False
+        self, backend: SQLBackend, prefix: str, shown_url: str, *, owned: bool = False
     ) -> None:
         self.backend = backend
         self.prefix = prefix
