@@ -224,10 +224,9 @@ def test_inspect_and_forget_of_the_cli_read_the_marker_table(
 ) -> None:
     """``celery idempotency inspect`` (the dialect's admin ``describe``) names the running call
     and the queued one; ``forget`` of a key a body holds keeps it, of a queued key ends it."""
-    from celery_idempotent.cli.postgres import admin_of
+    from celery_idempotent.backends.sql import admin as sql_admin
 
     backend = started_db.backend
-    sql_admin = admin_of(backend)
     nkey = KEY
     assert publish(backend, "t-1").action == "publish"
     doc = sql_admin.describe(backend, "idempotency:", nkey, show_result=False, shown_url="-")
