@@ -31,7 +31,6 @@ from celery._state import _task_stack
 
 from celery_idempotent import admin
 from celery_idempotent.admin import Forgotten, IdempotencyStatus
-from celery_idempotent.backends.redis.store import RedisIdempotencyStore
 from celery_idempotent.celery import call_options, delivery
 from celery_idempotent.celery import keys as task_keys
 from celery_idempotent.celery.factory import factory, reset_backends
@@ -53,6 +52,7 @@ from celery_idempotent.celery.worker_start import (
     check_pool,
 )
 from celery_idempotent.core.guard import DistributedIdempotencyGuard
+from celery_idempotent.core.protocols import InspectsKeys
 from celery_idempotent.settings import IdempotencySettings, resolve, task_option_defaults
 
 __all__ = [
@@ -335,12 +335,13 @@ class IdempotentTask(Task):  # type: ignore[misc]
         key: str | None,
         task_id: str | None,
     ) -> tuple[IdempotencySettings, str, Any]:
-        """(settings, namespaced key, the task's own Redis client or ``None`` for another
+        """(settings, namespaced key, the client of a store the admin layer reads directly
+        (:class:`~celery_idempotent.core.protocols.InspectsKeys`) or ``None`` for another
         backend) of the key the admin methods' arguments name."""
         cfg = self.idempotency_settings()
         nkey = task_keys.admin_key(self, cfg, args, kwargs, key=key, task_id=task_id)
         _, store = factory.backends(self, cfg)
-        client = store.client if isinstance(store, RedisIdempotencyStore) else None
+        client = store.key_client() if isinstance(store, InspectsKeys) else None
         return cfg, nkey, client
 
 

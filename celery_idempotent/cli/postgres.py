@@ -17,8 +17,9 @@ from typing import Any
 import click
 
 from celery_idempotent.backends import sql_backend_from_url
-from celery_idempotent.backends.postgres import DEFAULT_TABLE, PostgresBackend, ddl
+from celery_idempotent.backends.postgres import DEFAULT_TABLE, ddl
 from celery_idempotent.backends.postgres.connections import split_url
+from celery_idempotent.backends.sql.backend import SQLBackend
 from celery_idempotent.core.states import IN_PROGRESS
 
 __all__ = ["admin_of", "backend_for", "inspect", "sql_command"]
@@ -55,7 +56,7 @@ def sql_command(table: str | None, url: str | None, dialect: str | None = None) 
         raise click.BadParameter(str(exc), param_hint="--table") from exc
 
 
-def admin_of(backend: PostgresBackend) -> ModuleType:
+def admin_of(backend: SQLBackend) -> ModuleType:
     """The admin module of ``backend``'s database: PostgreSQL's, or MySQL's."""
     if getattr(backend, "dialect", "postgresql") == "mysql":
         from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415
@@ -66,7 +67,7 @@ def admin_of(backend: PostgresBackend) -> ModuleType:
     return pg_admin
 
 
-def backend_for(cfg: Any, accept: list[str]) -> PostgresBackend:
+def backend_for(cfg: Any, accept: list[str]) -> SQLBackend:
     """The backend of the app's ``idempotency_url``, loading results with ``accept``."""
     url: str = cfg.backend_url
     if url.startswith("django://"):
@@ -77,7 +78,7 @@ def backend_for(cfg: Any, accept: list[str]) -> PostgresBackend:
 
 
 def inspect(
-    backend: PostgresBackend,
+    backend: SQLBackend,
     prefix: str,
     nkey: str,
     *,

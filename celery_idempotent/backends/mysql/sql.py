@@ -2,8 +2,8 @@
 
 :mod:`celery_idempotent.backends.mysql` runs these statements; nothing here opens a
 connection. A row holds a record as the PostgreSQL backend's does
-(:func:`~celery_idempotent.backends.postgres.sql.record_columns`,
-:func:`~celery_idempotent.backends.postgres.sql.decode_row`, shared).
+(:func:`~celery_idempotent.backends.sql.records.record_columns`,
+:func:`~celery_idempotent.backends.sql.records.decode_row`, shared).
 
 Every timestamp is the server's ``UTC_TIMESTAMP(6)``: it does not depend on a session's
 ``time_zone``, so workers whose sessions differ still agree when a record expires.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from celery_idempotent.backends.postgres.sql import DEFAULT_TABLE, check_table
+from celery_idempotent.backends.sql.records import DEFAULT_TABLE, check_table
 
 __all__ = [
     "DEFAULT_TABLE",

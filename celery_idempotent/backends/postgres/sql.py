@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
-from typing import Any
-
-from celery_idempotent.core.codec import ResultCodec
-from celery_idempotent.core.protocols import IdempotencyRecord
+from celery_idempotent.backends.sql.records import (
+    DEFAULT_TABLE,
+    check_table,
+    decode_row,
+    record_columns,
+)
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -28,9 +28,6 @@ __all__ = [
     "record_columns",
 ]
 
-#: The table name when none is given (URL query parameter ``table``).
-DEFAULT_TABLE = "celery_idempotency"
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}(\.[A-Za-z_][A-Za-z0-9_]{0,47})?$")
 LOCK_NOT_AVAILABLE = "55P03"
 DIVISION_BY_ZERO = "22012"
 INVALID_TEXT_REPRESENTATION = "22P02"
@@ -65,16 +62,6 @@ def ddl(table: str = DEFAULT_TABLE) -> str:
         f'CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {t} (expires_at);\n'
         f"CREATE SEQUENCE IF NOT EXISTS {quote_table(schema + name + '_fencing')};\n"
     )
-
-
-def check_table(table: Any) -> str:
-    """``table`` if it is a PostgreSQL identifier (optionally schema-qualified), else an error."""
-    if not isinstance(table, str) or not _IDENT.match(table):
-        raise ValueError(
-            "table must be a PostgreSQL identifier (letters, digits, underscores, optionally "
-            f"schema-qualified: 'schema.table'), got {table!r}"
-        )
-    return table
 
 
 def is_pg_error(exc: BaseException, code: str) -> bool:
@@ -268,30 +255,3 @@ class Statements:
 
 #: The order of :attr:`Statements.publish`'s parameters.
 PUBLISH_PARAMS = ("wait", "sync", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
-
-
-def record_columns(
-    codec: ResultCodec, key: str, record: IdempotencyRecord
-) -> tuple[str | None, str, str, bytes, float]:
-    """``record`` as the columns ``fingerprint, content_type, content_encoding, result,
-    created_at`` (in that order, as :attr:`Statements.upsert` and :attr:`Statements.commit`
-    take them); :class:`~celery_idempotent.core.exceptions.ResultEncodeError` when the serializer
-    refuses the result."""
-    data = codec.dumps(key, record.result)
-    return (
-        record.fingerprint,
-        codec.content_type,
-        codec.content_encoding,
-        data,
-        float(record.created_at),
-    )
-
-
-def decode_row(codec: ResultCodec, key: str, row: Sequence[Any]) -> IdempotencyRecord:
-    """The record in a row of :attr:`Statements.select`'s columns;
-    :class:`~celery_idempotent.core.exceptions.RecordDecodeError` when its result is refused."""
-    _state, fingerprint, ctype, encoding, data, created_at, fence = row
-    raw = bytes(data) if data is not None else b""
-    result = codec.loads(key, ctype, encoding, raw)
-    token = None if fence is None else int(fence)
-    return IdempotencyRecord(result, fingerprint, float(created_at or 0.0), token)
