@@ -70,7 +70,7 @@ def test_status_shows_the_markers_age_and_whether_a_delivery_claimed_it(pg_backe
     """SPEC §8: ``Task.idempotency_status`` (and ``inspect``) show a queued key's age and
     whether a delivery ever claimed it, on PostgreSQL as on Redis."""
     from celery_idempotent import DistributedIdempotencyGuard, admin
-    from celery_idempotent.backends.postgres import admin as pg_admin
+    from celery_idempotent.backends.sql import admin as pg_admin
 
     guard = DistributedIdempotencyGuard(store=pg_backend, lock_provider=pg_backend)
     key = "pub.charge:key:order-1"
