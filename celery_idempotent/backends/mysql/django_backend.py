@@ -7,7 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_idempotent.backends.mysql.backend import MySQLBackend
-from celery_idempotent.backends.mysql.sql import DEFAULT_TABLE, LOCK_ERRORS, ddl, error_code
+from celery_idempotent.backends.mysql.sql import (
+    DEFAULT_TABLE,
+    LOCK_ERRORS,
+    check_server,
+    ddl,
+    error_code,
+)
 from celery_idempotent.backends.postgres.connections import Rollback, Transaction
 from celery_idempotent.backends.postgres.django_backend import app_installed
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
@@ -103,6 +109,10 @@ class DjangoMySQLBackend(MySQLBackend):
         return results
 
     def _django_ensure_table(self, conn: Any) -> None:
+        # Django's own version check (at connect) read and cached the server's version.
+        refused = check_server(str(conn.mysql_server_info))
+        if refused is not None:
+            raise IdempotencyConnectionError(None, f"django://{self.alias}: {refused}")
         with conn.cursor() as cur:
             cur.execute(self.sql.exists, list(self.sql.exists_params))
             row = cur.fetchone()
