@@ -30,7 +30,7 @@ from celery_idempotent.backends.mysql.sql import (
     ddl,
     error_code,
 )
-from celery_idempotent.backends.postgres.connections import Transaction
+from celery_idempotent.backends.sql.connections import Transaction
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
 __all__ = [
