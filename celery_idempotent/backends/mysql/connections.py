@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from celery_idempotent.backends.mysql.sql import LOCK_ERRORS, Statements, ddl, error_code
+from celery_idempotent.backends.mysql.sql import (
+    LOCK_ERRORS,
+    Statements,
+    check_server,
+    ddl,
+    error_code,
+)
 from celery_idempotent.backends.sql.connections import ConnectionPool, Transaction
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
@@ -222,6 +228,11 @@ class PyMySQLTransactions(ConnectionPool):
             log.debug("closing a MySQL connection failed", exc_info=True)
 
     def _ensure_table(self, conn: Any) -> None:
+        # The first use of a backend: a server without SKIP LOCKED is refused here, by name,
+        # rather than by a syntax error in the first claim (the version is the handshake's).
+        refused = check_server(str(conn.get_server_info()))
+        if refused is not None:
+            raise IdempotencyConnectionError(None, refused)
         found = self._flight(conn, [(self.sql.exists, self.sql.exists_params)])[0]
         if not (found and found[0][0]):
             if not self.create_table:
