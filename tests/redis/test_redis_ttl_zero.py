@@ -41,7 +41,7 @@ def queued_id(value: bytes | None) -> str | None:
 
 
 def marker(task_id: str, fingerprint: str = "") -> str:
-    return f"{keyspace.QUEUED_HEAD}{task_id}{keyspace.SEP}{fingerprint}"
+    return f"{keyspace.QUEUED_HEAD}{task_id}{keyspace.RECORD_SEP}{fingerprint}"
 
 
 def test_ttl_zero_stores_nothing_and_the_key_runs_again(

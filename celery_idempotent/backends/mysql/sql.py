@@ -24,6 +24,7 @@ __all__ = [
     "SAVEPOINT_GONE",
     "AdminStatements",
     "Statements",
+    "check_server",
     "check_table",
     "ddl",
     "error_code",
@@ -47,6 +48,48 @@ FENCED = 1172
 SAVEPOINT_GONE = 1305
 #: Where an expired or never-written row's ``expires_at`` points (DATETIME's first year).
 PAST = "1000-01-01 00:00:00"
+
+
+#: The oldest servers the backend runs on: ``SKIP LOCKED`` (the claim's free-row read, the
+#: sweep, the admin's listing) arrived in MySQL 8.0.1 and MariaDB 10.6.
+MIN_MYSQL = (8, 0, 1)
+MIN_MARIADB = (10, 6, 0)
+
+
+def server_version(info: str) -> tuple[str, tuple[int, int, int]]:
+    """``("mariadb" | "mysql", (major, minor, patch))`` of a server's version string
+    (``SELECT VERSION()``, the handshake's ``server_version``), e.g. ``10.11.6-MariaDB-0+deb12u1``
+    or ``8.0.36``; MariaDB 10's replication prefix ``5.5.5-`` is skipped."""
+    text = info.strip()
+    flavour = "mariadb" if "mariadb" in text.lower() else "mysql"
+    if flavour == "mariadb" and text.startswith("5.5.5-"):
+        text = text[len("5.5.5-") :]
+    numbers = []
+    for part in text.split("-", 1)[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        numbers.append(int(digits))
+    if len(numbers) < 2:
+        raise ValueError(f"cannot read a MySQL / MariaDB server version from {info!r}")
+    major, minor, patch = (*numbers, 0, 0)[:3]
+    return flavour, (major, minor, patch)
+
+
+def check_server(info: str) -> str | None:
+    """Why the server whose version string is ``info`` is refused (it lacks ``SKIP LOCKED``),
+    or ``None`` if it is new enough: MySQL 8.0.1+, MariaDB 10.6+."""
+    flavour, version = server_version(info)
+    floor = MIN_MARIADB if flavour == "mariadb" else MIN_MYSQL
+    if version >= floor:
+        return None
+    name = "MariaDB" if flavour == "mariadb" else "MySQL"
+    need = ".".join(map(str, floor if floor[2] else floor[:2]))
+    return (
+        f"the MySQL backend needs MySQL 8.0.1+ or MariaDB 10.6+ (for SELECT ... FOR UPDATE "
+        f"SKIP LOCKED); this server is {name} {'.'.join(map(str, version))} ({info}), "
+        f"older than {name} {need}"
+    )
 
 
 def quote_table(table: str) -> str:

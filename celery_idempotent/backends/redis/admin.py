@@ -129,7 +129,7 @@ def forget_key(
     # once the server clock has passed it (a token ahead of the clock is kept in it).
     forget_script = client.register_script(redis_admin_scripts.FORGET)
     gone_record, gone_lock, gone_fence = forget_script(
-        keys=[info.record_name, info.lock_name, info.fence_name],
+        keys=[info.lock_name, info.record_name, info.fence_name],
         args=[
             info.lock_token or "",
             "1" if info.lock_token is not None else "0",

@@ -189,7 +189,7 @@ def read_key(client: redis.Redis, prefix: str, key: str, *, with_data: bool = Fa
     lname = lock_name(prefix, key)
     fname = fence_name(lname)
     read = client.register_script(redis_admin_scripts.READ_KEY)
-    reply = read(keys=[rname, lname, fname], args=["1" if with_data else "0"])
+    reply = read(keys=[lname, rname, fname], args=["1" if with_data else "0"])
     kind, rec, size, rttl, token, lttl, fence, fttl = reply
     kind = _text(kind)
     record: dict[str, Any] | None = None
