@@ -179,7 +179,8 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             (self.sql.mark, ()),
         ]
 
-    def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+    def _claim(self, resource: str, row: str, lock_only: bool, ttl: float = 0.0) -> Claim:
+        # ``ttl``: the lease's, for a claimed marker; MySQL has no publish-side marker row.
         try:
             tx, results = self._begin(row, self._claim_statements(row, lock_only))
         except Exception as exc:

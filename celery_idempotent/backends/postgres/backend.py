@@ -159,16 +159,17 @@ class PostgresBackend(PsycopgTransactions):
             (self.sql.lock_timeout_reset, ()),
         ]
 
-    def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+    def _claim(self, resource: str, row: str, lock_only: bool, ttl: float = 0.0) -> Claim:
         statements = self._claim_statements(row, lock_only)
         try:
             if lock_only or not self.checks_publishes():
                 tx, results = self._begin(row, statements)
             else:
-                # The key's queued marker becomes "claimed", committed first (same flight):
-                # if this delivery's transaction dies, the row is left claimed and unlocked,
-                # which the publish check reads as free (SPEC §8: a killed body frees its key).
-                marker = [(self.sql.claim_marker, (row,))]
+                # The key's queued marker becomes "claimed" for the lease's ttl, committed
+                # first (same flight): if this delivery's transaction dies, the row is left
+                # claimed and unlocked, which holds the key until that ttl has run out (SPEC
+                # §8: a killed body frees its key within lock_ttl) and no longer.
+                marker = [(self.sql.claim_marker, (ttl, row))]
                 tx, results = self._begin_after(marker, row, statements)
         except Exception as exc:
             if is_pg_error(exc, LOCK_NOT_AVAILABLE):
@@ -212,7 +213,9 @@ class PostgresBackend(PsycopgTransactions):
         return alive
 
     def is_locked(self, resource: str) -> bool:
-        """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
+        """Whether a transaction holds ``resource``'s row (or is inserting it) now, or the
+        row is a claimed marker within its lease (a delivery's claim in flight, or one whose
+        transaction died with its client: held until the lease runs out)."""
         row = self._lock_row(resource)
         statements = [
             (self.sql.lock_timeout, ("1ms",)),
@@ -220,13 +223,14 @@ class PostgresBackend(PsycopgTransactions):
             (self.sql.probe, (row,)),
         ]
         try:
-            tx, _ = self._begin(row, statements)
+            tx, results = self._begin(row, statements)
         except Exception as exc:
             if is_pg_error(exc, LOCK_NOT_AVAILABLE):
                 return True
             raise
         self._rollback(tx)
-        return False
+        probed = results[2]
+        return bool(probed and probed[0][0])
 
     def clear(self) -> None:
         """Roll back this process's open transactions and delete every row of the table."""
@@ -415,8 +419,8 @@ class PostgresBackend(PsycopgTransactions):
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """Lock ``key``'s row in a new transaction, unless it holds an unexpired record (then
         that record, no lease); ``Claim(None, None)`` when held past ``lock_timeout``."""
-        check_duration("ttl", ttl)
-        return self._claim(resource, self._row(key), lock_only=False)
+        ttl = check_duration("ttl", ttl)
+        return self._claim(resource, self._row(key), lock_only=False, ttl=ttl)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         """Write the record into the lease's transaction and COMMIT it (with the body's
