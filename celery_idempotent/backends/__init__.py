@@ -1,8 +1,8 @@
 """The backends: one package each (memory, Redis, PostgreSQL, MySQL).
 
-Each backend package imports the core and none of the layers above it; the MySQL backend builds
-on the PostgreSQL one's protocol steps (never the other way round), so which of the two an SQL
-URL stands for is decided here, above both.
+Each backend package imports the core and none of the layers above it; the PostgreSQL and MySQL
+backends build on the protocol steps of ``backends.sql`` (which imports neither), so which of
+the two an SQL URL stands for is decided here, above both.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from celery_idempotent.backends.postgres.backend import PostgresBackend
+    from celery_idempotent.backends.sql.backend import SQLBackend
 
 __all__ = ["sql_backend_from_url"]
 
 
 def sql_backend_from_url(
     url: str, *, serializer: str = "json", accept: Iterable[str] | None = ("json",)
-) -> PostgresBackend:
+) -> SQLBackend:
     """The SQL backend an ``idempotency_url`` stands for: ``mysql://``, or ``django://`` on
     Django's MySQL engine, is the MySQL backend; ``postgresql://``, ``postgres://`` and any other
     ``django://`` the PostgreSQL one. Each backend's driver is imported only when used."""
@@ -28,7 +28,7 @@ def sql_backend_from_url(
 
         return mysql.backend_from_url(url, serializer=serializer, accept=accept)
     from celery_idempotent.backends import postgres  # noqa: PLC0415
-    from celery_idempotent.backends.postgres.connections import split_url  # noqa: PLC0415
+    from celery_idempotent.backends.sql.connections import split_url  # noqa: PLC0415
 
     if url.startswith("django://"):
         rest, options = split_url(url)

@@ -13,7 +13,6 @@ from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_idempotent import signals
-from celery_idempotent.backends.redis.store import RedisAtomicBackend, claims_end_marker
 from celery_idempotent.celery import keys as task_keys
 from celery_idempotent.celery.factory import factory
 from celery_idempotent.celery.publish import drop_queued_marker, requeue_marker
@@ -38,6 +37,7 @@ from celery_idempotent.core.guard import (
     Outcome,
     current_lease,
 )
+from celery_idempotent.core.protocols import EndsMarkerAtClaim
 from celery_idempotent.core.two_step import TwoStepBackend
 from celery_idempotent.settings import never_stored
 
@@ -115,9 +115,9 @@ def run(
     body = _Body(call_body, task, cfg, guard, prepared.key)
     started_ends = cfg.idempotency_publish_until == "started" and task.request.id is not None
     claims: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if started_ends and isinstance(guard.backend, RedisAtomicBackend):
-        # The claim that takes the lock ends this call's queued marker in the same script.
-        claims = claims_end_marker(str(task.request.id))
+    if started_ends and isinstance(guard.backend, EndsMarkerAtClaim):
+        # The claim that takes the lock ends this call's queued marker in the same step.
+        claims = guard.backend.ending_marker(str(task.request.id))
     elif started_ends and apart(guard):
         # A lock and store that claim apart: the marker ends as the body starts.
         body.on_start = lambda: drop_queued_marker(task, guard, prepared.key)

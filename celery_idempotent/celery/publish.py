@@ -27,7 +27,6 @@ from celery.utils import uuid
 from celery_idempotent import keyspace, signals
 from celery_idempotent.backends.redis import layout as redis_layout
 from celery_idempotent.backends.redis import publish as publish_redis
-from celery_idempotent.backends.redis.store import RedisIdempotencyStore
 from celery_idempotent.celery import call_options
 from celery_idempotent.celery.checks import _checked as checked_apps
 from celery_idempotent.celery.checks import at_first_publish
@@ -43,7 +42,13 @@ from celery_idempotent.core.exceptions import (
     IdempotencyMismatchError,
 )
 from celery_idempotent.core.fingerprint import key_digest
-from celery_idempotent.core.protocols import ChecksPublishes, PublishDecision
+from celery_idempotent.core.protocols import (
+    ChecksPublishes,
+    ChecksPublishesUntil,
+    KeepsClaimedMarkers,
+    PublishDecision,
+)
+from celery_idempotent.core.states import KeyState
 
 if TYPE_CHECKING:
     from celery_idempotent.celery.task import IdempotentTask
@@ -146,16 +151,13 @@ def _checked_publish(
 ) -> Any:
     """Publish through kombu's Redis transport with the check where kombu pushes the message
     (``publish_redis``): one round trip for both when the broker is the store's Redis."""
-    store = check.store
-    if not isinstance(store, RedisIdempotencyStore):  # pragma: no cover - travels_with_push
-        raise TypeError(f"{type(store).__name__} cannot travel with kombu's Redis push")
-    pending = publish_redis.Pending(
-        store,
+    pending = publish_redis.pending_for(
+        check.store,
         check.record,
         check.lock,
         task_id,
-        check.fingerprint,
-        check.publish_ttl,
+        fingerprint=check.fingerprint,
+        publish_ttl=check.publish_ttl,
         until=check.until,
     )
     token = publish_redis.arm(pending)
@@ -203,8 +205,8 @@ def _check(task: IdempotentTask, task_id: str, check: _Check) -> PublishDecision
     """The store's decision (one round trip); ``None``: backend unreachable, publish unchecked."""
     store = check.store
     try:
-        if isinstance(store, RedisIdempotencyStore):
-            return store.check_publish(
+        if check.until != "completed" and isinstance(store, ChecksPublishesUntil):
+            return store.check_publish_until(
                 check.record,
                 check.lock,
                 task_id,
@@ -332,13 +334,14 @@ def _plan_publish(
     key, _, fingerprint = prepared
     guard = factory.guard(task, base)
     if cfg.idempotency_publish_until == "started" and not isinstance(
-        guard.store, RedisIdempotencyStore
+        guard.store, ChecksPublishesUntil
     ):
-        # Only the Redis publish side ends a call's marker when its delivery claims the key.
+        # Only a store with that capability ends a call's marker when its delivery claims
+        # the key (today the Redis store).
         raise ValueError(
-            f"idempotency_publish_until='started' of task {task.name} needs a Redis "
-            f"idempotency_url (the publish side that ends a call's queued marker when it "
-            f"starts); its store is a {type(guard.store).__name__}"
+            f"idempotency_publish_until='started' of task {task.name} needs a store whose "
+            f"publish side ends a call's queued marker when it starts (ChecksPublishesUntil: "
+            f"a Redis idempotency_url); its store is a {type(guard.store).__name__}"
         )
     store = publish_checker(guard.store)
     if store is None:  # the run-time guard decides alone
@@ -392,7 +395,7 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
     signals.idempotency_publish_stopped.send(
         sender=task, task_id=first, key=key, state=found.action
     )
-    state = found.state or ("completed" if found.action == "completed" else "queued")
+    state = found.state or (KeyState.COMPLETED if found.action == "completed" else KeyState.QUEUED)
     log.info(
         "duplicate publish of %s stopped: key=%s is %s (task %s)",
         task.name,
@@ -430,9 +433,8 @@ def drop_queued_marker(
     if store is None or task_id is None:
         return
     try:
-        if isinstance(store, RedisIdempotencyStore):
-            lock = guard.lock_resource(key) if unless_running else None
-            store.drop_queued(guard.record_key(key), str(task_id), lock=lock)
+        if unless_running and isinstance(store, KeepsClaimedMarkers):
+            store.drop_unclaimed(guard.record_key(key), guard.lock_resource(key), str(task_id))
         else:
             store.drop_queued(guard.record_key(key), str(task_id))
     except Exception as exc:  # a claimed marker is dead with its lease; else publish_ttl

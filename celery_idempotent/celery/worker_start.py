@@ -14,8 +14,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import signals as celery_signals
 
-from celery_idempotent.backends.redis.client import SentinelClientFactory, import_redis
-from celery_idempotent.backends.redis.health import eviction_policy, eviction_warning
+from celery_idempotent.backends.redis.client import import_redis
+from celery_idempotent.backends.redis.health import (
+    eviction_policy,
+    eviction_warning,
+    health_client,
+)
 from celery_idempotent.celery.factory import backend_label
 from celery_idempotent.core import green
 from celery_idempotent.setting_checks import POSTGRES_SCHEMES
@@ -262,25 +266,11 @@ def _redis_unreachable(cfg: IdempotencySettings) -> str | None:
 
 def _read_policy(cfg: IdempotencySettings) -> tuple[str | None, str | None]:
     source = cfg.idempotency_client
-    if source is None:
-        redis_mod = import_redis()
-        client = redis_mod.Redis.from_url(
-            cfg.backend_url, socket_timeout=2.0, socket_connect_timeout=2.0
-        )
-        try:
-            return eviction_policy(client)
-        finally:
-            client.close()
-    if callable(getattr(source, "register_script", None)):
-        return eviction_policy(source)
-    if isinstance(source, SentinelClientFactory):
-        client = source()
-        try:
-            return eviction_policy(client)
-        finally:
-            client.close()
-    # A user's factory is called once per worker process, by the tasks: not here.
-    return None, "idempotency_client is a factory; it is not called at start"
+    with health_client(source, cfg.backend_url if source is None else None) as client:
+        if client is None:
+            # A user's factory is called once per worker process, by the tasks: not here.
+            return None, "idempotency_client is a factory; it is not called at start"
+        return eviction_policy(client)
 
 
 @applies_to("redis")
@@ -323,25 +313,13 @@ def check_replicas(app: Any, tasks: list[Resolved]) -> list[str]:
 def _replica_count(cfg: IdempotencySettings) -> int | None:
     """``connected_slaves`` of the Redis of ``cfg``, or ``None`` when it cannot be read."""
     source = cfg.idempotency_client
-    redis_mod = import_redis()
-    close = True
-    if source is None:
-        client = redis_mod.Redis.from_url(
-            cfg.backend_url, socket_timeout=2.0, socket_connect_timeout=2.0
-        )
-    elif callable(getattr(source, "register_script", None)):
-        client, close = source, False
-    elif isinstance(source, SentinelClientFactory):
-        client = source()
-    else:
-        return None  # a user's factory is called once per worker process, not here
-    try:
-        return int(client.info("replication").get("connected_slaves", 0))
-    except Exception:  # unreachable or INFO refused: the other checks say so
-        return None
-    finally:
-        if close:
-            client.close()
+    with health_client(source, cfg.backend_url if source is None else None) as client:
+        if client is None:
+            return None  # a user's factory is called once per worker process, not here
+        try:
+            return int(client.info("replication").get("connected_slaves", 0))
+        except Exception:  # unreachable or INFO refused: the other checks say so
+            return None
 
 
 @applies_to("postgres")

@@ -7,15 +7,22 @@ rule (retries, renewal, fencing checks, mismatch detection) to itself.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from celery_idempotent.core.states import KeyState
 
 __all__ = [
     "AtomicBackend",
     "ChecksPublishes",
+    "ChecksPublishesUntil",
     "Claim",
+    "EndsMarkerAtClaim",
     "IdempotencyRecord",
     "IdempotencyStore",
+    "InspectsKeys",
+    "KeepsClaimedMarkers",
     "Lease",
     "LockProvider",
     "PairsAtomically",
@@ -106,9 +113,10 @@ class PublishDecision(NamedTuple):
     ``action``: ``"publish"`` (the marker is set, or the check could not decide: ``unchecked``),
     ``"completed"`` (``record`` holds the stored result), ``"queued"`` (queued or running as
     ``task_id``) or ``"mismatch"`` (queued or running with ``stored_fingerprint``).
-    ``state`` says which of ``"completed"``, ``"queued"`` or ``"running"`` stopped the publish
-    (``None``: the store does not tell queued from running), ``ttl_left`` the seconds the
-    record or the queued marker has left (``None``: not known).
+    ``state`` says which :class:`~celery_idempotent.KeyState` stopped the publish:
+    ``COMPLETED``, ``QUEUED`` or ``RUNNING`` (``None``: the store does not tell queued from
+    running), ``ttl_left`` the seconds the record or the queued marker has left (``None``: not
+    known).
     """
 
     action: str
@@ -116,7 +124,7 @@ class PublishDecision(NamedTuple):
     record: IdempotencyRecord | None = None
     stored_fingerprint: str | None = None
     unchecked: bool = False
-    state: str | None = None
+    state: KeyState | None = None
     ttl_left: float | None = None
 
 
@@ -143,6 +151,67 @@ class ChecksPublishes(Protocol):
 
     def drop_queued(self, record: str, task_id: str) -> bool:
         """Remove ``task_id``'s queued marker of ``record``; ``False`` when it is not there."""
+
+
+@runtime_checkable
+class ChecksPublishesUntil(Protocol):
+    """A store whose publish check can also stop a duplicate only while its call is queued
+    (``idempotency_publish_until="started"``): the capability that setting needs (the Redis
+    store has it; a task with that setting over a store without it is refused at publish).
+
+    ``check_publish_until`` is :meth:`ChecksPublishes.check_publish` with ``until``, the
+    setting's value: ``"completed"`` decides as ``check_publish`` does; ``"started"`` lets a
+    publish through once the queued call's delivery has claimed the key. The claim that ends
+    the marker is the backend's (:class:`EndsMarkerAtClaim`), or the delivery's as its body
+    starts when the lock and the store claim apart.
+    """
+
+    def check_publish_until(
+        self,
+        record: str,
+        lock: str,
+        task_id: str,
+        fingerprint: str | None,
+        publish_ttl: float,
+        *,
+        until: str,
+    ) -> PublishDecision:
+        """Decide a publish of ``task_id`` as ``idempotency_publish_until=until`` says."""
+
+
+@runtime_checkable
+class KeepsClaimedMarkers(Protocol):
+    """A store whose queued marker, once a delivery claimed it, lives as long as that
+    delivery's lease (the Redis store): a discarded message (revoked, expired) ends its
+    marker with :meth:`drop_unclaimed`, which keeps one that a live delivery holds. A store
+    without it ends the marker with ``drop_queued`` (PostgreSQL: the row the running body
+    holds is not touched by it)."""
+
+    def drop_unclaimed(self, record: str, lock: str, task_id: str) -> bool:
+        """Remove ``task_id``'s queued marker of ``record`` unless a delivery that claimed it
+        still holds a valid lease on ``lock``; ``False`` when nothing was removed."""
+
+
+@runtime_checkable
+class EndsMarkerAtClaim(Protocol):
+    """An :class:`AtomicBackend` whose claim can end a call's queued marker in the step that
+    takes the lock (``idempotency_publish_until="started"``: the call has started). The Redis
+    pair has it (the ``CLAIM`` script)."""
+
+    def ending_marker(self, task_id: str) -> AbstractContextManager[None]:
+        """Within the block, a claim in this context that takes the lock also ends
+        ``task_id``'s queued marker, in the same step."""
+
+
+@runtime_checkable
+class InspectsKeys(Protocol):
+    """A store whose keys the admin layer (:mod:`celery_idempotent.admin`) reads straight
+    from its server, every name of a key in one round trip, and forgets with a script that
+    compares the lease it read (the Redis store). Other stores are read and forgotten through
+    the guard's protocols (``admin.status_from_guard``)."""
+
+    def key_client(self) -> Any:
+        """The client the admin layer reads and deletes this store's keys with."""
 
 
 class AtomicBackend(Protocol):

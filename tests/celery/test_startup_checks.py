@@ -6,41 +6,21 @@ check only on the backends it applies to, an unknown django:// alias and an unre
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_idempotent import IdempotentTask
 from celery_idempotent.celery import checks
 from celery_idempotent.celery.worker_start import check_app_at_worker_start
 from celery_idempotent.settings import clear_cache
+from tests.support.check_apps import app_with_one_task
 
 
 def make(
     conf: dict[str, Any] | None = None, namespace: str | None = None, **task_opts: Any
 ) -> Celery:
-    app = Celery(f"chk-{uuid.uuid4().hex[:8]}", set_as_current=False)
-    if namespace is None:
-        app.conf.update(broker_url="memory://", **(conf or {}))
-    else:
-        source = type(
-            "DjangoSettings", (), {f"{namespace}_BROKER_URL": "memory://", **(conf or {})}
-        )
-        app.config_from_object(source, namespace=namespace)
-
-    @app.task(base=IdempotentTask, shared=False, name="chk.charge", **task_opts)
-    def charge(order_id: int) -> int:
-        return order_id
-
-    app.finalize()
-    # Shared tasks (``@shared_task``) that other suites' modules defined in this process are
-    # registered on every app finalized after them; these checks are about this app's task.
-    for name, task in list(app.tasks.items()):
-        if isinstance(task, IdempotentTask) and name != "chk.charge":
-            app.tasks.unregister(name)
-    return app
+    return app_with_one_task("chk", conf, namespace, **task_opts)
 
 
 def ours(app: Celery) -> None:

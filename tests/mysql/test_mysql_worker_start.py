@@ -4,34 +4,19 @@ answer is one ERROR naming it (``check_mysql``)."""
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_idempotent import IdempotentTask
 from celery_idempotent.celery import worker_start
 from celery_idempotent.celery.worker_start import check_app_at_worker_start
 from celery_idempotent.settings import clear_cache
+from tests.support.check_apps import app_with_one_task
 
 
 def make(conf: dict[str, Any]) -> Celery:
-    app = Celery(f"mychk-{uuid.uuid4().hex[:8]}", set_as_current=False)
-    app.conf.update(broker_url="memory://", **conf)
-
-    @app.task(base=IdempotentTask, shared=False, name="mychk.charge", acks_late=True,
-              reject_on_worker_lost=True)  # fmt: skip
-    def charge(order_id: int) -> int:
-        return order_id
-
-    app.finalize()
-    # Shared tasks (``@shared_task``) that other suites' modules defined in this process are
-    # registered on every app finalized after them; these checks are about this app's task.
-    for name, task in list(app.tasks.items()):
-        if isinstance(task, IdempotentTask) and name != "mychk.charge":
-            app.tasks.unregister(name)
-    return app
+    return app_with_one_task("mychk", conf, acks_late=True, reject_on_worker_lost=True)
 
 
 def start_log(caplog: pytest.LogCaptureFixture, app: Celery) -> tuple[list[Any], list[Any]]:

@@ -16,29 +16,16 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_idempotent import IdempotentTask
 from celery_idempotent.celery import worker_start
 from celery_idempotent.celery.worker_start import check_app_at_worker_start
 from celery_idempotent.settings import clear_cache
+from tests.support.check_apps import app_with_one_task
 
 PROJECT = Path(__file__).resolve().parent / "django_app_project"
 
 
 def make(conf: dict[str, Any], **task_opts: Any) -> Celery:
-    app = Celery(f"pgchk-{uuid.uuid4().hex[:8]}", set_as_current=False)
-    app.conf.update(broker_url="memory://", **conf)
-
-    @app.task(base=IdempotentTask, shared=False, name="pgchk.charge", **task_opts)
-    def charge(order_id: int) -> int:
-        return order_id
-
-    app.finalize()
-    # Shared tasks (``@shared_task``) that other suites' modules defined in this process are
-    # registered on every app finalized after them; these checks are about this app's task.
-    for name, task in list(app.tasks.items()):
-        if isinstance(task, IdempotentTask) and name != "pgchk.charge":
-            app.tasks.unregister(name)
-    return app
+    return app_with_one_task("pgchk", conf, **task_opts)
 
 
 def log_of(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:

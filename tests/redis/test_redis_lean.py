@@ -264,27 +264,45 @@ def test_an_instrumented_execute_command_sees_every_script(
     assert seen == []
 
 
-@pytest.mark.parametrize("lib", ["gevent", "eventlet"])
-def test_greenlets_in_flight_share_connections_and_get_their_own_replies(
-    redis_url: str, key_prefix: str, lib: str
-) -> None:
-    """Under gevent and eventlet (a process patched first, as a worker is): 40 greenlets at
-    once, each call's reply its own, no request sent on a connection that still owes another
-    caller its reply, and more than one connection but no more than there were greenlets in
-    flight (one per greenlet would be one per task: Celery's green pools run each task in a
-    new greenlet). A connection lent twice at once is caught with real threads above."""
+def _green_lean(lib: str, redis_url: str, key_prefix: str, *mutant: str) -> dict[str, Any]:
     pytest.importorskip(lib)
     script = Path(__file__).with_name("green_lean.py")
     done = subprocess.run(
-        [sys.executable, str(script), lib, redis_url, key_prefix],
+        [sys.executable, str(script), lib, redis_url, key_prefix, *mutant],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("lib", ["gevent", "eventlet"])
+def test_greenlets_in_flight_share_connections_and_get_their_own_replies(
+    redis_url: str, key_prefix: str, lib: str
+) -> None:
+    """Under gevent and eventlet (a process patched first, as a worker is): 40 greenlets at
+    once, starting calls on timers and sleeping in their bodies as tasks do, each call's reply
+    its own, no connection touched by one greenlet while another's reply is owed on it, and
+    more than one connection but no more than there were greenlets in flight (one per
+    greenlet would be one per task: Celery's green pools run each task in a new greenlet)."""
+    out = _green_lean(lib, redis_url, key_prefix)
     assert out["lean"] is True
+    assert out["errors"] == []
     assert out["wrong"] == []
     assert out["shared"] == []  # no connection was lent to two greenlets at once
     assert 1 < out["held"] <= 40
+
+
+@pytest.mark.parametrize("lib", ["gevent", "eventlet"])
+def test_the_green_check_catches_a_connection_lent_twice(
+    redis_url: str, key_prefix: str, lib: str
+) -> None:
+    """The test above has teeth: with the lean path mutated so that a lent connection stays
+    on the stack (lent again while in use), the same run sees it: a use by a second greenlet,
+    a wrong reply or a call that fails."""
+    out = _green_lean(lib, redis_url, key_prefix, "double-lend")
+    assert out["lean"] is True
+    assert out["errors"] or out["wrong"] or out["shared"], out

@@ -19,5 +19,7 @@ private Redis, a private PostgreSQL) and the process helpers are the library's, 
   ``/proc`` by :mod:`~tests.support.process_tree`;
 - :mod:`~tests.support.counting`: round trips counted at the client (tests and benchmarks);
 - :mod:`~tests.support.waiting`: ``wait_for`` what other processes do;
-- :mod:`~tests.support.cleanup`: what is still open at exit is closed.
+- :mod:`~tests.support.cleanup`: what is still open at exit is closed;
+- :mod:`~tests.support.check_apps`: an app with one idempotent task, for the checks' tests;
+- :mod:`~tests.support.sql_contract`: the SQL backends' shared contract.
 """

@@ -1,19 +1,18 @@
 """MySQLBackend: the lock provider, store and atomic backend on one InnoDB table.
 
-The protocol's steps are the PostgreSQL backend's (:class:`PostgresBackend` is the base
-class: acquire, extend, release, get, claim, the lost-reply check, the sweep's schedule);
-what differs is the SQL (:mod:`celery_idempotent.backends.mysql.sql`), the driver
-(:mod:`celery_idempotent.backends.mysql.connections`) and the steps whose statements differ
-in shape (claim, commit, delete, probe, sweep).
+The protocol's steps are :class:`~celery_idempotent.backends.sql.backend.SQLBackend`'s
+(shared with the PostgreSQL backend: acquire, extend, release, get, claim, commit, the publish
+decision, the lost-reply check, the sweep's schedule); what is MySQL's here is the order of
+:mod:`celery_idempotent.backends.mysql.sql`'s statements in each step, how PyMySQL's errors read
+(error numbers), the keys' length limit, the publish check's and the sweep's own shape, and the
+transactions of :class:`~celery_idempotent.backends.mysql.connections.PyMySQLTransactions`.
 """
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_idempotent import transactions
 from celery_idempotent.backends.mysql.connections import (
     PyMySQLTransactions,
     connect_args,
@@ -31,17 +30,16 @@ from celery_idempotent.backends.mysql.sql import (
     lock_seconds,
     quote_table,
 )
-from celery_idempotent.backends.postgres.backend import PostgresBackend
-from celery_idempotent.backends.postgres.connections import ended_by_body, split_url
-from celery_idempotent.backends.postgres.sql import PUBLISH_PARAMS, decode_row, record_columns
-from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease
-from celery_idempotent.core.validate import check_delay, check_duration, check_ttl
+from celery_idempotent.backends.sql.backend import SQLBackend, Statement
+from celery_idempotent.backends.sql.connections import Transaction, split_url
+from celery_idempotent.backends.sql.records import record_columns
+from celery_idempotent.core.protocols import IdempotencyRecord
+from celery_idempotent.core.validate import check_delay
 
 __all__ = ["MySQLBackend"]
 
 
-class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
+class MySQLBackend(SQLBackend, PyMySQLTransactions):
     """Locks and records in one MySQL 8 / MariaDB 10.6+ table; the record commits in the
     body's transaction.
 
@@ -68,61 +66,42 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
     driver = "pymysql"
     #: The SQL dialect (the CLI picks its admin module by it).
     dialect = "mysql"
+    default_lock_timeout = 1.0
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        table: str | None = None,
-        lock_timeout: Any = None,
-        serializer: str = "json",
-        accept: Iterable[str] | None = ("json",),
-        create_table: bool = True,
-        cleanup_interval: Any = 60.0,
-        cleanup_batch: int = 500,
-        max_idle: int = 8,
-    ) -> None:
-        given = lock_timeout
-        if given is None and url is not None:
-            given = split_url(url)[1].get("lock_timeout")
-        if isinstance(given, str):
-            try:
-                given = float(given)
-            except ValueError:
-                raise ValueError(f"lock_timeout must be seconds, got {given!r}") from None
-        wait = check_delay("lock_timeout", 1.0 if given is None else given)
-        PostgresBackend.__init__(
-            self,
-            url,
-            table=table,
-            lock_timeout=wait or 1.0,  # PostgreSQL's check refuses 0: set below
-            serializer=serializer,
-            accept=accept,
-            create_table=create_table,
-            cleanup_interval=cleanup_interval,
-            cleanup_batch=cleanup_batch,
-            max_idle=max_idle,
-        )
-        self.lock_timeout = wait
-        self.sql = Statements(self.table)
+    def _check_lock_timeout(self, seconds: float) -> float:
+        """Seconds, ``0`` allowed (no wait)."""
+        return check_delay("lock_timeout", seconds)
+
+    def _statements(self, table: str) -> Statements:
+        return Statements(table)
+
+    def _check_driver(self, url: str | None) -> None:
         if self.driver == "pymysql":
             if url is None:
                 raise ValueError("MySQLBackend needs a mysql:// URL")
             import_pymysql()  # fail now, with the install line, when PyMySQL is missing
             connect_args(split_url(url)[0])  # a bad URL fails here, naming what is wrong
 
+    def _is_lock_error(self, exc: BaseException) -> bool:
+        """A lock wait past ``lock_timeout``, a ``NOWAIT`` refusal, or a deadlock (InnoDB
+        rolled the transaction back)."""
+        return error_code(exc) in LOCK_ERRORS
+
+    def _quoted_table(self) -> str:
+        return quote_table(self.table)
+
     @property
     def wait_seconds(self) -> int:
         """``innodb_lock_wait_timeout`` of a claim (``lock_timeout`` in whole seconds)."""
         return lock_seconds(self.lock_timeout)
 
-    def _row(self, key: str) -> str:  # type: ignore[override]
+    def _row(self, key: str) -> str:
         """The row of a record key (as on PostgreSQL), at most :data:`MAX_KEY` characters."""
-        return self._short(PostgresBackend._row(key))
+        return self._short(super()._row(key))
 
-    def _lock_row(self, resource: str) -> str:  # type: ignore[override]
+    def _lock_row(self, resource: str) -> str:
         """The row of a lock resource (as on PostgreSQL), at most :data:`MAX_KEY` characters."""
-        return self._short(PostgresBackend._lock_row(resource))
+        return self._short(super()._lock_row(resource))
 
     @staticmethod
     def _short(row: str) -> str:
@@ -135,12 +114,11 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
 
     # -- publish side -------------------------------------------------------------------------
 
-    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
+    def _publish_statement(self, values: Mapping[str, Any]) -> list[Any]:
         """The publish check's steps (:attr:`Statements.publish` and the ``publish_*`` around
         it) in a transaction of their own, one flight; the decision's row, as the PostgreSQL
         backend's statement returns it. An insert that waited past ``lock_timeout`` (a key's
         first claim holds its new row) answers "running": publish unchecked."""
-        values = dict(zip(PUBLISH_PARAMS, params))
         key, tid = values["key"], values["tid"]
         # The lock wait is set after the SKIP LOCKED read: on MariaDB 10.11 a SKIP LOCKED
         # read that skipped a row under innodb_lock_wait_timeout = 0 made the transaction's
@@ -166,7 +144,7 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
 
     # -- lock provider ------------------------------------------------------------------------
 
-    def _claim_statements(self, row: str, lock_only: bool) -> list[tuple[str, Sequence[Any]]]:
+    def _claim_statements(self, row: str, lock_only: bool) -> list[Statement]:
         return [
             (self.sql.wait, (self.wait_seconds,)),
             (self.sql.insert, (row,)),
@@ -179,128 +157,44 @@ class MySQLBackend(PyMySQLTransactions, PostgresBackend):  # type: ignore[misc]
             (self.sql.mark, ()),
         ]
 
-    def _claim(self, resource: str, row: str, lock_only: bool, ttl: float = 0.0) -> Claim:
-        # ``ttl``: the lease's, for a claimed marker; MySQL has no publish-side marker row.
-        try:
-            tx, results = self._begin(row, self._claim_statements(row, lock_only))
-        except Exception as exc:
-            if error_code(exc) in LOCK_ERRORS:
-                return Claim(None, None)  # held (or a deadlock, rolled back): one failed attempt
-            raise
+    def _claim_result(
+        self, tx: Transaction, results: Sequence[Any]
+    ) -> tuple[int | None, Sequence[Any]]:
         claimed, token, found = results[3], results[4], results[6]
-        if claimed:
-            lease = Lease(resource, uuid.uuid4().hex, int(token[0][0]))
-            tx.lease = lease
-            self._open[lease.token] = tx
-            transactions.register(lease.token, self._connection_of(tx))
-            return Claim(lease, None)
-        self._rollback(tx)
-        if found:
-            return Claim(None, decode_row(self.codec, row, found[0]))
-        return Claim(None, None)  # pragma: no cover - the row is ours until we roll back
+        return (int(token[0][0]) if claimed else None), found
 
-    def is_locked(self, resource: str) -> bool:
-        """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
-        row = self._lock_row(resource)
-        try:
-            tx, _ = self._begin(row, [(self.sql.probe, (row,))])
-        except Exception as exc:
-            if error_code(exc) in LOCK_ERRORS:
-                return True
-            raise
-        self._rollback(tx)
-        return False
-
-    def clear(self) -> None:
-        """Roll back this process's open transactions and delete every row of the table."""
-        for token in list(self._open):
-            tx = self._open.get(token)
-            if tx is not None and tx.lease is not None:
-                self.release(tx.lease)
-        self.autocommit([(f"DELETE FROM {quote_table(self.table)}", ())])
+    def _probe_statements(self, row: str) -> list[Statement]:
+        return [(self.sql.probe, (row,))]
 
     # -- store ----------------------------------------------------------------------------------
 
-    def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
-        """Store ``record`` for ``ttl`` seconds in a transaction of its own."""
-        ttl = check_duration("ttl", ttl)
-        values = (record.fencing_token, *record_columns(self.codec, key, record), ttl)
-        self.autocommit([(self.sql.upsert, (self._row(key), *values, *values))])
+    def _waiting(self, statement: Statement) -> list[Statement]:
+        return [(self.sql.wait, (self.wait_seconds,)), statement, (self.sql.wait_reset, ())]
 
-    def delete(self, key: str) -> bool:
-        """Delete ``key``'s completed record; ``True`` when there was one. A row that a
-        running body's transaction holds is waited for at most ``lock_timeout``, then
-        :class:`~celery_idempotent.IdempotencyKeyHeldError` (nothing deleted)."""
-        try:
-            done = self.autocommit(
-                [
-                    (self.sql.wait, (self.wait_seconds,)),
-                    (self.sql.delete, (self._row(key),)),
-                    (self.sql.wait_reset, ()),
-                ]
-            )
-        except Exception as exc:
-            if error_code(exc) in LOCK_ERRORS:
-                raise IdempotencyKeyHeldError(
-                    key, None, None, "a running body's transaction holds the key's row"
-                ) from exc
-            raise
-        return bool(done[1])
+    def _upsert(self, row: str, record: IdempotencyRecord, ttl: float) -> Statement:
+        values = (record.fencing_token, *record_columns(self.codec, row, record), ttl)
+        return self.sql.upsert, (row, *values, *values)
 
     # -- atomic backend ---------------------------------------------------------------------------
 
-    def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Write the record into the lease's transaction and COMMIT it (with the body's
-        writes), in one flight. ``False`` when the lease is no longer ours. A connection
-        error raises ``ConnectionError`` (the outcome is open); called again after one, it
-        answers from the database whether this lease's record was committed. ``ttl == 0``
-        (``idempotency_ttl=0``): the row is written already expired, so nothing is kept."""
-        ttl = check_ttl("ttl", ttl)
-        row = self._row(key)
-        tx = self._open.get(lease.token)
-        if tx is None:
-            pending = self._unconfirmed.pop(lease.token, None)
-            if pending is None:
-                return False
-            try:
-                return self._verify(lease, row, pending)
-            except ConnectionError:
-                self._unconfirmed[lease.token] = pending
-                raise
-        ended = self._ended(tx)
-        if ended is not None:
-            self.release(lease)
-            raise ended_by_body(aborted=ended)
-        if not self._alive(tx):
-            self.release(lease)
-            return False
-        params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
-        tx.lent = transactions.lent(lease.token)
-        statements = [
+    def _commit_statements(self, tx: Transaction, params: Sequence[Any]) -> list[Statement]:
+        """The commit in one flight: the claim's savepoint released (an error when the body
+        ended the transaction), the record written, the fence checked."""
+        return [
             (self.sql.unmark, ()),
             (self.sql.commit, params),
             (self.sql.fenced, ()),
         ]
-        try:
-            self._run(tx, statements, commit=True)
-        except ConnectionError:
-            self._forget(lease, tx)  # the verification runs on another connection
-            self._unconfirmed[lease.token] = tx.pid
-            raise
-        except Exception as exc:
-            self._forget(lease, tx)
-            self._rollback(tx)
-            if error_code(exc) == FENCED:
-                return False  # the row is not this lease's: nothing committed
-            if error_code(exc) == SAVEPOINT_GONE:
-                raise ended_by_body(aborted=False) from exc
-            raise
-        self._forget(lease, tx)
-        self._finish(tx)
-        self._maybe_cleanup()
-        return True
 
-    def _ended(self, tx: Any) -> bool | None:  # type: ignore[override]
+    def _commit_refusal(self, exc: BaseException) -> str | None:
+        code = error_code(exc)
+        if code == FENCED:
+            return "fenced"
+        if code == SAVEPOINT_GONE:
+            return "ended"
+        return None
+
+    def _ended(self, tx: Transaction) -> bool | None:
         """Whether the body ended the guard's transaction (no I/O): the connection is up,
         but the server's last reply said no transaction is open (a COMMIT, ROLLBACK, or a
         statement that commits implicitly: DDL, LOCK TABLES, ...)."""

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from celery_idempotent.backends.mysql.sql import LOCK_ERRORS, Statements, ddl, error_code
-from celery_idempotent.backends.postgres.connections import Transaction
+from celery_idempotent.backends.sql.connections import Transaction
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
 __all__ = [

@@ -7,17 +7,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_idempotent.backends.mysql.backend import MySQLBackend
-from celery_idempotent.backends.mysql.sql import DEFAULT_TABLE, LOCK_ERRORS, ddl, error_code
-from celery_idempotent.backends.postgres.connections import Rollback, Transaction
-from celery_idempotent.backends.postgres.django_backend import app_installed
-from celery_idempotent.core.exceptions import IdempotencyConnectionError
+from celery_idempotent.backends.mysql.sql import FENCED, LOCK_ERRORS, ddl, error_code
+from celery_idempotent.backends.sql.backend import Statement
+from celery_idempotent.backends.sql.connections import Transaction
+from celery_idempotent.backends.sql.django_backend import DjangoSQLBackend
 
 __all__ = ["DjangoMySQLBackend"]
 
 log = logging.getLogger("celery_idempotent")
 
 
-class DjangoMySQLBackend(MySQLBackend):
+class DjangoMySQLBackend(DjangoSQLBackend, MySQLBackend):
     """:class:`MySQLBackend` on Django's connection for a database ``alias`` whose engine is
     ``django.db.backends.mysql`` (mysqlclient, or PyMySQL installed as ``MySQLdb``).
 
@@ -31,29 +31,15 @@ class DjangoMySQLBackend(MySQLBackend):
     """
 
     driver = "django"
+    vendor = "mysql"
+    database = "MySQL"
+    engine_needed = ", not MySQL"
+    sql_command = "celery -A proj idempotency sql --dialect mysql"
 
-    def __init__(self, alias: str = "default", **options: Any) -> None:
-        if not isinstance(alias, str) or not alias:
-            raise ValueError(f"django:// needs a database alias, got {alias!r}")
-        self.alias = alias
-        super().__init__(None, **options)
+    def _expected_error(self, exc: BaseException) -> bool:
+        return error_code(exc) in (*LOCK_ERRORS, FENCED)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.alias!r}, table={self.table!r})"
-
-    def _db(self) -> Any:
-        from django.db import connections  # noqa: PLC0415 - Django is optional
-
-        conn = connections[self.alias]
-        if conn.vendor != "mysql":
-            raise ValueError(
-                f"django://{self.alias}: the database's engine is {conn.vendor!r}, not MySQL"
-            )
-        return conn
-
-    def _begin(
-        self, key: str, statements: Sequence[tuple[str, Sequence[Any]]]
-    ) -> tuple[Transaction, list[Any]]:
+    def _begin(self, key: str, statements: Sequence[Statement]) -> tuple[Transaction, list[Any]]:
         from django.db import transaction  # noqa: PLC0415
 
         conn = self._db()
@@ -66,15 +52,15 @@ class DjangoMySQLBackend(MySQLBackend):
             opening = [(self.sql.isolation, ())] if outermost else []
             results = self._execute(conn, [*opening, *statements])[len(opening) :]
         except BaseException as exc:
-            if error_code(exc) in LOCK_ERRORS:
+            if self._is_lock_error(exc):
                 self._reset_wait(conn)
             block.__exit__(type(exc), exc, exc.__traceback__)
-            if error_code(exc) in LOCK_ERRORS:
+            if self._is_lock_error(exc):
                 raise
             from django.db import InterfaceError, OperationalError  # noqa: PLC0415
 
             if isinstance(exc, (OperationalError, InterfaceError)) and not self._usable(conn):
-                raise ConnectionError(f"MySQL (django://{self.alias}): {exc}") from exc
+                raise self._connection_error(exc) from exc
             raise
         tx = Transaction(conn, block, key, None)
         tx.raw = conn.connection
@@ -94,35 +80,11 @@ class DjangoMySQLBackend(MySQLBackend):
         ident = getattr(raw, "thread_id", None)
         return int(ident()) if callable(ident) else None
 
-    def _execute(self, conn: Any, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        results: list[Any] = []
-        with conn.cursor() as cur:
-            for sql, params in statements:
-                cur.execute(sql, list(params) or None)
-                results.append(cur.rowcount if cur.description is None else cur.fetchall())
-        return results
-
     def _django_ensure_table(self, conn: Any) -> None:
         with conn.cursor() as cur:
-            cur.execute(self.sql.exists, list(self.sql.exists_params))
-            row = cur.fetchone()
-        if not (row and row[0]):
-            if app_installed():
-                raise IdempotencyConnectionError(
-                    None,
-                    f"table {self.table} does not exist on django://{self.alias}: with "
-                    "celery_idempotent.contrib.django installed the backend runs no DDL; "
-                    + (
-                        "run `manage.py migrate celery_idempotent`"
-                        if self.table == DEFAULT_TABLE
-                        else "create it with `celery -A proj idempotency sql --dialect mysql` "
-                        f"(the app's migrations create {DEFAULT_TABLE} only)"
-                    ),
-                )
-            if not self.create_table:
-                raise IdempotencyConnectionError(
-                    None, f"table {self.table} does not exist and create_table=False"
-                )
+            exists = self._table_exists(cur)
+        if not exists:
+            self._table_missing()
             # DDL commits implicitly on MySQL: on a connection of its own, never inside
             # the guard's atomic block.
             from django.db import connections  # noqa: PLC0415
@@ -137,46 +99,6 @@ class DjangoMySQLBackend(MySQLBackend):
                 other.close()
         self._ready = True
 
-    def _run(
-        self, tx: Transaction, statements: Sequence[tuple[str, Sequence[Any]]], *, commit: bool
-    ) -> list[Any]:
-        from django.db import InterfaceError, OperationalError  # noqa: PLC0415
-
-        try:
-            results = self._execute(tx.conn, statements)
-            if commit:
-                tx.block.__exit__(None, None, None)
-        except (OperationalError, InterfaceError) as exc:
-            if error_code(exc) not in (*LOCK_ERRORS, 1172) and not self._usable(tx.conn):
-                raise ConnectionError(f"MySQL (django://{self.alias}): {exc}") from exc
-            raise
-        return results
-
-    @staticmethod
-    def _usable(conn: Any) -> bool:
-        try:
-            return bool(conn.connection is not None and conn.is_usable())
-        except Exception:
-            return False
-
-    def _rollback(self, tx: Transaction) -> None:
-        error = Rollback()
-        try:
-            tx.block.__exit__(Rollback, error, None)
-        except Exception:
-            log.debug("rollback failed", exc_info=True)
-
-    def _finish(self, tx: Transaction) -> None:
-        return None
-
     def _alive(self, tx: Transaction) -> bool:
         conn = tx.conn
         return bool(conn.in_atomic_block and not conn.needs_rollback and conn.connection is tx.raw)
-
-    def autocommit(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        tx, results = self._begin("", statements)
-        tx.block.__exit__(None, None, None)
-        return results
-
-    def close(self) -> None:
-        """Nothing to close: Django owns its connections."""

@@ -1,54 +1,41 @@
 """PostgresBackend: the lock provider, store and atomic backend on one PostgreSQL table.
 
-The steps of each protocol method (claim, acquire, extend, release, get, set, delete, commit)
-over the transactions of
-:class:`~celery_idempotent.backends.postgres.connections.PsycopgTransactions`; the SQL is
-:mod:`celery_idempotent.backends.postgres.sql`'s. How one delivery goes is in
-:mod:`celery_idempotent.backends.postgres`.
+The steps of each protocol method are :class:`~celery_idempotent.backends.sql.backend.SQLBackend`'s
+(shared with the MySQL backend); what is PostgreSQL's here is the order of
+:mod:`celery_idempotent.backends.postgres.sql`'s statements in each step, how psycopg's errors
+read (SQLSTATE codes) and the transactions of
+:class:`~celery_idempotent.backends.postgres.connections.PsycopgTransactions`. How one delivery
+goes is in :mod:`celery_idempotent.backends.postgres`.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_idempotent import transactions
 from celery_idempotent.backends.postgres.connections import (
     PsycopgTransactions,
     Transaction,
-    ended_by_body,
     import_psycopg,
-    split_url,
 )
 from celery_idempotent.backends.postgres.sql import (
-    DEFAULT_TABLE,
     DIVISION_BY_ZERO,
     ENDED_MARK,
     INVALID_TEXT_REPRESENTATION,
     LOCK_NOT_AVAILABLE,
     PUBLISH_PARAMS,
     Statements,
-    check_table,
-    decode_row,
     is_pg_error,
     quote_table,
     record_columns,
 )
-from celery_idempotent.core.codec import ResultCodec
-from celery_idempotent.core.exceptions import IdempotencyConnectionError, IdempotencyKeyHeldError
-from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
-from celery_idempotent.core.validate import check_duration, check_ttl
-from celery_idempotent.urls import redact
+from celery_idempotent.backends.sql.backend import SQLBackend, Statement
+from celery_idempotent.core.protocols import IdempotencyRecord
 
 __all__ = ["PostgresBackend"]
 
-log = logging.getLogger("celery_idempotent")
 
-
-class PostgresBackend(PsycopgTransactions):
+class PostgresBackend(SQLBackend, PsycopgTransactions):
     """Locks and records in one PostgreSQL table; the record commits in the body's transaction.
 
     It is at once the guard's ``lock_provider``, its ``store`` and (``atomic_with``) the
@@ -72,406 +59,109 @@ class PostgresBackend(PsycopgTransactions):
     """
 
     driver = "psycopg"
+    #: The SQL dialect (the CLI picks its admin module by it).
+    dialect = "postgresql"
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        table: str | None = None,
-        lock_timeout: Any = None,
-        serializer: str = "json",
-        accept: Iterable[str] | None = ("json",),
-        create_table: bool = True,
-        cleanup_interval: Any = 60.0,
-        cleanup_batch: int = 500,
-        max_idle: int = 8,
-    ) -> None:
-        options: dict[str, str] = {}
-        if url is not None:
-            url, options = split_url(url)
-        self.url = url
-        self.table = check_table(
-            table if table is not None else options.get("table", DEFAULT_TABLE)
-        )
-        timeout = lock_timeout if lock_timeout is not None else options.get("lock_timeout", 0.5)
-        if isinstance(timeout, str):
-            try:
-                timeout = float(timeout)
-            except ValueError:
-                raise ValueError(f"lock_timeout must be seconds, got {timeout!r}") from None
-        self.lock_timeout = check_duration("lock_timeout", timeout)
-        self.cleanup_interval = check_duration("cleanup_interval", cleanup_interval)
-        if not isinstance(cleanup_batch, int) or cleanup_batch < 1:
-            raise ValueError(f"cleanup_batch must be a positive int, got {cleanup_batch!r}")
-        if not isinstance(max_idle, int) or max_idle < 0:
-            raise ValueError(f"max_idle must be an int >= 0, got {max_idle!r}")
-        if not isinstance(create_table, bool):
-            raise TypeError(f"create_table must be True or False, got {create_table!r}")
-        self.cleanup_batch = cleanup_batch
-        self.max_idle = max_idle
-        self.create_table = create_table
-        self.codec = ResultCodec(serializer, accept)
-        self.serializer = serializer
-        self.accept = self.codec.accept
-        self.sql = Statements(self.table)
-        super().__init__()
-        self._next_cleanup = time.monotonic() + self.cleanup_interval * _jitter()
-        # lease token -> backend pid of a commit whose reply was lost
-        self._unconfirmed: dict[str, int | None] = {}
-        # row -> (task id, publish ttl) of a marker to queue again once this process's
-        # transaction on the row has ended (requeue_marker)
-        self._requeue_after: dict[str, tuple[str, float]] = {}
+    def _statements(self, table: str) -> Statements:
+        return Statements(table)
+
+    def _check_driver(self, url: str | None) -> None:
         if self.driver == "psycopg":
             if url is None:
                 raise ValueError("PostgresBackend needs a postgresql:// URL")
             import_psycopg()  # fail now, with the install line, when psycopg is missing
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({redact(self.url or '')!r}, table={self.table!r})"
+    def _is_lock_error(self, exc: BaseException) -> bool:
+        return is_pg_error(exc, LOCK_NOT_AVAILABLE)
+
+    @property
+    def _wait(self) -> str:
+        """``lock_timeout`` as PostgreSQL's setting (whole milliseconds, at least 1)."""
+        return f"{max(1, round(self.lock_timeout * 1000))}ms"
+
+    def _quoted_table(self) -> str:
+        return quote_table(self.table)
 
     # -- lock provider ------------------------------------------------------------------------
 
-    @staticmethod
-    def _row(key: str) -> str:
-        """The row of a record key ``P{K}``: the key itself."""
-        return key
-
-    @staticmethod
-    def _lock_row(resource: str) -> str:
-        """The row of a lock resource: ``P lock:{K}`` shares the row of the record ``P{K}``.
-
-        A prefix ``P`` has no braces (the settings and the guard refuse them), so the first
-        ``{`` opens the key, and the ``lock:`` just before it is the lock's, whatever ``P``
-        holds (``"mylock:"`` included). A resource of another shape is a row of its own.
-        """
-        at = resource.find("{")
-        if at >= 5 and resource[at - 5 : at] == "lock:":
-            return resource[: at - 5] + resource[at:]
-        return resource
-
-    def _claim_statements(self, row: str, lock_only: bool) -> list[tuple[str, Sequence[Any]]]:
-        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
+    def _claim_statements(self, row: str, lock_only: bool) -> list[Statement]:
         return [
-            (self.sql.lock_timeout, (ms,)),
+            (self.sql.lock_timeout, (self._wait,)),
             (self.sql.insert, (row,)),
             (self.sql.lock if lock_only else self.sql.claim, (row,)),
             (self.sql.select, (row,)),
             (self.sql.lock_timeout_reset, ()),
         ]
 
-    def _claim(self, resource: str, row: str, lock_only: bool, ttl: float = 0.0) -> Claim:
-        statements = self._claim_statements(row, lock_only)
-        try:
-            if lock_only or not self.checks_publishes():
-                tx, results = self._begin(row, statements)
-            else:
-                # The key's queued marker becomes "claimed" for the lease's ttl, committed
-                # first (same flight): if this delivery's transaction dies, the row is left
-                # claimed and unlocked, which holds the key until that ttl has run out (SPEC
-                # §8: a killed body frees its key within lock_ttl) and no longer.
-                marker = [(self.sql.claim_marker, (ttl, row))]
-                tx, results = self._begin_after(marker, row, statements)
-        except Exception as exc:
-            if is_pg_error(exc, LOCK_NOT_AVAILABLE):
-                return Claim(None, None)  # held: one failed attempt
-            raise
+    def _claim_begin(
+        self, row: str, statements: Sequence[Statement], lock_only: bool, ttl: float = 0.0
+    ) -> tuple[Transaction, list[Any]]:
+        if lock_only or not self.checks_publishes():
+            return self._begin(row, statements)
+        # The key's queued marker becomes "claimed" for the lease's ttl, committed first
+        # (same flight): if this delivery's transaction dies, the row is left claimed and
+        # unlocked, which holds the key until that ttl has run out (SPEC §8: a killed body
+        # frees its key within lock_ttl) and no longer.
+        marker = [(self.sql.claim_marker, (ttl, row))]
+        return self._begin_after(marker, row, statements)
+
+    def _claim_result(
+        self, tx: Transaction, results: Sequence[Any]
+    ) -> tuple[int | None, Sequence[Any]]:
         claimed, found = results[2], results[3]
-        if claimed:
-            lease = Lease(resource, uuid.uuid4().hex, int(claimed[0][0]))
-            tx.lease = lease
-            tx.xid = int(claimed[0][1])
-            self._open[lease.token] = tx
-            transactions.register(lease.token, self._connection_of(tx))
-            return Claim(lease, None)
-        self._rollback(tx)
-        if found:
-            return Claim(None, decode_row(self.codec, row, found[0]))
-        return Claim(None, None)  # deleted meanwhile: try again
+        if not claimed:
+            return None, found
+        tx.xid = int(claimed[0][1])
+        return int(claimed[0][0]), found
 
-    def acquire(self, resource: str, ttl: float) -> Lease | None:
-        """Lock ``resource``'s row in a new transaction (``ttl`` is checked, not used: the
-        lease lasts as long as the transaction); ``None`` when held past ``lock_timeout``."""
-        check_duration("ttl", ttl)
-        return self._claim(resource, self._lock_row(resource), lock_only=True).lease
-
-    def extend(self, lease: Lease, ttl: float) -> bool:
-        """``True`` while the lease's transaction is open on a healthy connection (no I/O)."""
-        check_duration("ttl", ttl)
-        tx = self._open.get(lease.token)
-        return tx is not None and self._alive(tx)
-
-    def release(self, lease: Lease) -> bool:
-        """Roll back the lease's transaction (the body's writes with it)."""
-        tx = self._open.pop(lease.token, None)
-        if tx is None:
-            return False
-        tx.lent = transactions.lent(lease.token)
-        transactions.unregister(lease.token)
-        alive = self._alive(tx)
-        self._rollback(tx)
-        self._requeue_pending(tx.key)
-        return alive
-
-    def is_locked(self, resource: str) -> bool:
-        """Whether a transaction holds ``resource``'s row (or is inserting it) now, or the
-        row is a claimed marker within its lease (a delivery's claim in flight, or one whose
-        transaction died with its client: held until the lease runs out)."""
-        row = self._lock_row(resource)
-        statements = [
+    def _probe_statements(self, row: str) -> list[Statement]:
+        return [
             (self.sql.lock_timeout, ("1ms",)),
             (self.sql.insert, (row,)),
             (self.sql.probe, (row,)),
         ]
-        try:
-            tx, results = self._begin(row, statements)
-        except Exception as exc:
-            if is_pg_error(exc, LOCK_NOT_AVAILABLE):
-                return True
-            raise
-        self._rollback(tx)
-        probed = results[2]
-        return bool(probed and probed[0][0])
 
-    def clear(self) -> None:
-        """Roll back this process's open transactions and delete every row of the table."""
-        for token in list(self._open):
-            tx = self._open.get(token)
-            if tx is not None and tx.lease is not None:
-                self.release(tx.lease)
-        self.autocommit([(f"DELETE FROM {quote_table(self.table)}", ())])
+    def _probe_held(self, results: Sequence[Any]) -> bool:
+        probed = results[2]  # the probe's row: a claimed marker within its lease?
+        return bool(probed and probed[0][0])
 
     # -- store ----------------------------------------------------------------------------------
 
-    def get(self, key: str) -> IdempotencyRecord | None:
-        """The unexpired completed record of ``key`` (not waiting for a running holder)."""
-        rows = self.autocommit([(self.sql.select, (self._row(key),))])[0]
-        return decode_row(self.codec, key, rows[0]) if rows else None
+    def _waiting(self, statement: Statement) -> list[Statement]:
+        return [(self.sql.lock_timeout, (self._wait,)), statement]
 
-    def set(self, key: str, record: IdempotencyRecord, ttl: float) -> None:
-        """Store ``record`` for ``ttl`` seconds in a transaction of its own."""
-        ttl = check_duration("ttl", ttl)
-        columns = record_columns(self.codec, key, record)
-        params = (self._row(key), record.fencing_token, *columns, ttl)
-        self.autocommit([(self.sql.upsert, params)])
-
-    def delete(self, key: str) -> bool:
-        """Delete ``key``'s completed record; ``True`` when there was one. A row that a
-        running body's transaction holds is waited for at most ``lock_timeout``, then
-        :class:`~celery_idempotent.IdempotencyKeyHeldError` (nothing deleted)."""
-        ms = f"{max(1, round(self.lock_timeout * 1000))}ms"
-        try:
-            done = self.autocommit(
-                [(self.sql.lock_timeout, (ms,)), (self.sql.delete, (self._row(key),))]
-            )
-        except Exception as exc:
-            if is_pg_error(exc, LOCK_NOT_AVAILABLE):
-                raise IdempotencyKeyHeldError(
-                    key, None, None, "a running body's transaction holds the key's row"
-                ) from exc
-            raise
-        return bool(done[1])
+    def _upsert(self, row: str, record: IdempotencyRecord, ttl: float) -> Statement:
+        columns = record_columns(self.codec, row, record)
+        return self.sql.upsert, (row, record.fencing_token, *columns, ttl)
 
     # -- publish side (ChecksPublishes) --------------------------------------------------------
 
-    def checks_publishes(self) -> bool:
-        """Whether this backend's SQL has the publish-side statement (a subclass on another
-        dialect without it, MySQL's, leaves every publish to the run-time guard)."""
-        return hasattr(self.sql, "publish")
+    def _publish_params(self, values: Mapping[str, Any], sync: str | None) -> tuple[Any, ...]:
+        """:attr:`Statements.publish`'s parameters: ``values`` with the lock wait and
+        ``synchronous_commit`` (``None``: the session's own)."""
+        every = {**values, "wait": self._wait, "sync": sync}
+        return tuple(every[name] for name in PUBLISH_PARAMS)
 
-    def check_publish(
-        self, record: str, lock: str, task_id: str, fingerprint: str | None, publish_ttl: float
-    ) -> PublishDecision:
-        """Decide a publish of ``task_id`` in one statement (one round trip): the key's row
-        holds a live record (``completed``), a live queued marker of another call
-        (``queued``, or ``mismatch`` under another fingerprint; also while that call runs,
-        as a running delivery's row shows its marker to other sessions until it commits), or
-        neither: then the marker is set and the answer is ``publish``. A row that a running
-        delivery holds without a marker (it was published unchecked) and an insert that
-        waited past ``lock_timeout`` are ``publish`` unchecked: the guard decides at run
-        time. ``lock`` names the same row. See :attr:`Statements.publish`."""
-        ttl = check_duration("publish_ttl", publish_ttl)
-        row = self._row(record)
-        values = {
-            "wait": f"{max(1, round(self.lock_timeout * 1000))}ms",
-            "sync": "off",  # a transaction of its own (see Statements.publish)
-            "key": row,
-            "tid": str(task_id),
-            "fp": fingerprint,
-            "now": time.time(),
-            "ttl": ttl,
-        }
-        params = tuple(values[name] for name in PUBLISH_PARAMS)
-        for _ in range(3):  # a concurrent publisher or commit won between read and insert
-            try:
-                found = self._publish_statement(params)
-            except Exception as exc:
-                if is_pg_error(exc, LOCK_NOT_AVAILABLE):
-                    return PublishDecision("publish", unchecked=True)
-                if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
-                    raise IdempotencyConnectionError(record, f"publish check: {exc}") from exc
-                raise
-            decision = self._publish_decision(row, fingerprint, found[0])
-            if decision is not None:
-                return decision
-        return PublishDecision("publish", unchecked=True)
-
-    def _publish_statement(self, params: Sequence[Any]) -> list[Any]:
-        """The statement in a transaction of its own (one flight)."""
+    def _publish_statement(self, values: Mapping[str, Any]) -> list[Any]:
+        """The statement in a transaction of its own (one flight), committed without waiting
+        for the WAL flush (see :attr:`Statements.publish`)."""
+        params = self._publish_params(values, sync="off")
         result: list[Any] = self.autocommit([(self.sql.publish, params)])[0]
         return result
 
-    def _publish_decision(
-        self, row: str, fingerprint: str | None, found: Sequence[Any]
-    ) -> PublishDecision | None:
-        decided, written = found[0], int(found[1])
-        state, stored_fp, ctype, encoding, data, created_at, fence = found[2:9]
-        left = None if found[9] is None else max(0.0, float(found[9]))
-        if decided == "completed":
-            stored = decode_row(
-                self.codec, row, (state, stored_fp, ctype, encoding, data, created_at, fence)
-            )
-            return PublishDecision(
-                "completed", None, stored, stored.fingerprint, state="completed", ttl_left=left
-            )
-        if decided == "own":
-            return PublishDecision("publish")
-        if decided == "queued":
-            first = bytes(data).decode("utf-8", "replace") if data is not None else None
-            # A claimed marker stops a publish only while its delivery holds the row.
-            running = state == "claimed"
-            shown, ttl = ("running", None) if running else ("queued", left)
-            if fingerprint and stored_fp and stored_fp != fingerprint:
-                return PublishDecision(
-                    "mismatch", first, None, stored_fp, state=shown, ttl_left=ttl
-                )
-            return PublishDecision("queued", first, state=shown, ttl_left=ttl)
-        if decided == "running":
-            return PublishDecision("publish", unchecked=True)
-        return PublishDecision("publish") if written else None
-
-    def queued_marker(self, record: str) -> tuple[str, float] | None:
-        """``(task id, seconds left)`` of ``record``'s live queued marker, else ``None``."""
-        if not self.checks_publishes():
-            return None
-        rows = self.autocommit([(self.sql.queued, (self._row(record),))])[0]
-        if not rows:
-            return None
-        data, ttl = rows[0]
-        return bytes(data).decode("utf-8", "replace"), float(ttl)
-
-    def queued_marker_info(self, record: str) -> tuple[str, float, float | None, bool] | None:
-        """``(task id, seconds left, age, claimed)`` of ``record``'s live queued marker, else
-        ``None``: ``age`` is seconds since its publish (the publisher's clock), ``claimed``
-        whether a delivery claimed it before it was queued again (a published retry,
-        ``Reject(requeue=True)``). ``None`` on a subclass whose statements lack it."""
-        statement = getattr(self.sql, "queued_info", None)
-        if statement is None or not self.checks_publishes():
-            return None
-        rows = self.autocommit([(statement, (self._row(record),))])[0]
-        if not rows:
-            return None
-        data, ttl, created_at, claimed = rows[0]
-        age = None if created_at is None else max(0.0, time.time() - float(created_at))
-        return bytes(data).decode("utf-8", "replace"), float(ttl), age, bool(claimed)
-
-    def requeue_marker(self, record: str, task_id: str, publish_ttl: float) -> bool:
-        """The running delivery of ``task_id`` went back to the queue (a published retry,
-        ``Reject(requeue=True)``): its claimed marker is queued again for ``publish_ttl``
-        seconds. While this process's transaction holds the row the change waits for that
-        transaction to end (it would roll the change back, or wait on itself)."""
-        ttl = check_duration("publish_ttl", publish_ttl)
-        row = self._row(record)
-        if any(tx.key == row for tx in list(self._open.values())):
-            self._requeue_after[row] = (str(task_id), ttl)
-            return True
-        return self._requeue_now(row, str(task_id), ttl)
-
-    def _requeue_now(self, row: str, task_id: str, ttl: float) -> bool:
-        done = self.autocommit([(self.sql.requeue_marker, (ttl, row, task_id))])
-        return bool(done[0])
-
-    def _requeue_pending(self, row: str) -> None:
-        pending = self._requeue_after.pop(row, None)
-        if pending is not None:
-            try:
-                self._requeue_now(row, *pending)
-            except Exception as exc:  # the key is then free: an extra message at most
-                log.warning("could not re-queue the marker of %s: %r", row, exc)
-
-    def drop_queued(self, record: str, task_id: str) -> bool:
-        """Delete ``task_id``'s queued marker row of ``record``; ``False`` when the row holds
-        something else (a record committed since, another call's marker) or is gone."""
-        row = self._row(record)
-        try:
-            done = self.autocommit([(self.sql.drop_queued, (row, str(task_id)))])
-        except Exception as exc:
-            if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
-                raise IdempotencyConnectionError(record, f"queued marker delete: {exc}") from exc
-            raise
-        return bool(done[0])
-
-    def atomic_with(self, lock_provider: Any) -> PostgresBackend | None:
-        """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
-        return self if lock_provider is self else None
-
     # -- atomic backend ---------------------------------------------------------------------------
 
-    def claim(self, resource: str, key: str, ttl: float) -> Claim:
-        """Lock ``key``'s row in a new transaction, unless it holds an unexpired record (then
-        that record, no lease); ``Claim(None, None)`` when held past ``lock_timeout``."""
-        ttl = check_duration("ttl", ttl)
-        return self._claim(resource, self._row(key), lock_only=False, ttl=ttl)
+    def _commit_statements(self, tx: Transaction, params: Sequence[Any]) -> list[Statement]:
+        return [(self.sql.same_transaction, (tx.xid,)), (self.sql.commit, params)]
 
-    def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
-        """Write the record into the lease's transaction and COMMIT it (with the body's
-        writes). ``False`` when the lease is no longer ours. A connection error raises
-        ``ConnectionError`` (the outcome is open); called again after one, it answers from
-        the database whether this lease's record was committed."""
-        ttl = check_ttl("ttl", ttl)
-        row = self._row(key)
-        tx = self._open.get(lease.token)
-        if tx is None:
-            pending = self._unconfirmed.pop(lease.token, None)
-            if pending is None:
-                return False
-            try:
-                return self._verify(lease, row, pending)
-            except ConnectionError:
-                self._unconfirmed[lease.token] = pending
-                raise
-        ended = self._ended(tx)
-        if ended is not None:
-            self.release(lease)
-            raise ended_by_body(aborted=ended)
-        if not self._alive(tx):
-            self.release(lease)
-            return False
-        params = (*record_columns(self.codec, key, record), ttl, row, lease.fencing_token)
-        tx.lent = transactions.lent(lease.token)
-        statements = [(self.sql.same_transaction, (tx.xid,)), (self.sql.commit, params)]
-        try:
-            self._run(tx, statements, commit=True)
-        except ConnectionError:
-            self._forget(lease, tx)  # the verification runs on another connection
-            self._unconfirmed[lease.token] = tx.pid
-            raise
-        except Exception as exc:
-            self._forget(lease, tx)
-            self._rollback(tx)
-            self._requeue_pending(tx.key)
-            if is_pg_error(exc, DIVISION_BY_ZERO):
-                return False  # the row is not this lease's: nothing committed
-            if is_pg_error(exc, INVALID_TEXT_REPRESENTATION) and ENDED_MARK in str(exc):
-                raise ended_by_body(aborted=False) from exc
-            raise
-        self._forget(lease, tx)
-        self._finish(tx)
-        self._requeue_after.pop(tx.key, None)  # the record replaced the marker
-        self._maybe_cleanup()
-        return True
+    def _commit_refusal(self, exc: BaseException) -> str | None:
+        if is_pg_error(exc, DIVISION_BY_ZERO):
+            return "fenced"
+        if is_pg_error(exc, INVALID_TEXT_REPRESENTATION) and ENDED_MARK in str(exc):
+            return "ended"
+        return None
 
-    @staticmethod
-    def _ended(tx: Transaction) -> bool | None:
+    def _ended(self, tx: Transaction) -> bool | None:
         """Whether the body left the guard's transaction (no I/O): ``None`` while it is still
         in it (or the connection is lost: not the body's doing), ``False`` when the session is
         idle (the body sent COMMIT or ROLLBACK), ``True`` when a failed statement aborted it."""
@@ -486,47 +176,8 @@ class PostgresBackend(PsycopgTransactions):
             return True
         return None
 
-    def _forget(self, lease: Lease, tx: Transaction) -> None:
-        tx.lent = tx.lent or transactions.lent(lease.token)
-        self._open.pop(lease.token, None)
-        transactions.unregister(lease.token)
-
-    def _verify(self, lease: Lease, row: str, pid: int | None) -> bool:
-        """After a lost commit reply: the record is there with this lease's token (True),
-        or the server has ended the session that sent the commit without it (False); while
-        that session still exists the outcome is open (ConnectionError)."""
-        rows, alive = self.autocommit([(self.sql.verify, (row,)), (self.sql.session, (pid,))])
-        if rows and rows[0][0] == "completed" and rows[0][1] == lease.fencing_token:
-            return True
-        if alive and alive[0][0]:
-            raise ConnectionError("the session that sent the commit is still open on the server")
-        return False
-
-    def _maybe_cleanup(self) -> None:
-        now = time.monotonic()
-        if now < self._next_cleanup:
-            return
-        self._next_cleanup = now + self.cleanup_interval * _jitter()
-        try:
-            self.cleanup()
-        except Exception as exc:  # never fail a committed delivery over housekeeping
-            log.warning(
-                "celery-idempotent: sweeping expired rows of %s failed: %r", self.table, exc
-            )
-
     def cleanup(self, limit: int | None = None) -> int:
         """Delete at most ``limit`` (``cleanup_batch``) expired rows, oldest first, skipping
         rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
         n = self.cleanup_batch if limit is None else limit
         return int(self.autocommit([(self.sql.cleanup, (n,))])[0])
-
-
-def _is_operational(exc: BaseException) -> bool:
-    """A driver's "the server or the connection failed" (psycopg's or Django's)."""
-    return any(cls.__name__ in ("OperationalError", "InterfaceError") for cls in type(exc).__mro__)
-
-
-def _jitter() -> float:
-    import random  # noqa: PLC0415
-
-    return 0.5 + random.random()  # noqa: S311 - spreads the sweeps of many processes

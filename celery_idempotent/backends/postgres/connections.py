@@ -16,12 +16,16 @@ import os
 import threading
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from celery_idempotent.backends.postgres.sql import LOCK_NOT_AVAILABLE, Statements, ddl, is_pg_error
+from celery_idempotent.backends.sql.connections import (
+    Rollback,
+    Transaction,
+    ended_by_body,
+    split_url,
+)
 from celery_idempotent.core import green
-from celery_idempotent.core.exceptions import IdempotencyBackendError, IdempotencyConnectionError
-from celery_idempotent.core.protocols import Lease
+from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
 __all__ = [
     "KEEPALIVES",
@@ -43,29 +47,6 @@ log = logging.getLogger("celery_idempotent")
 #: holds the row lock, notices a worker that went silent within about idle + interval * count
 #: seconds (25 s) and rolls its transaction back.
 KEEPALIVES = {"idle": 10, "interval": 5, "count": 3}
-
-
-class Rollback(Exception):
-    """Passed to a transaction block's ``__exit__`` to make it roll back."""
-
-
-class Transaction:
-    """One open guarded transaction (a lease): its connection and how to end it."""
-
-    __slots__ = ("block", "conn", "key", "lease", "lent", "pid", "raw", "xid")
-
-    def __init__(self, conn: Any, block: Any, key: str, raw: Any) -> None:
-        self.conn = conn
-        self.block = block
-        self.key = key
-        self.lease: Lease | None = None
-        self.raw = raw  # the psycopg connection (conn itself, or under Django's wrapper)
-        self.pid: int | None = raw.info.backend_pid if raw is not None else None
-        #: the transaction id the claim was made in (the body must end in the same one)
-        self.xid: int | None = None
-        #: whether the body was handed the connection (current_connection()): then whatever
-        #: session state it left is reset before the connection is pooled again
-        self.lent = False
 
 
 #: Sent after the guard's COMMIT or ROLLBACK, in the same flight, on a connection the body was
@@ -377,26 +358,6 @@ class PsycopgTransactions:
         return tx.conn
 
 
-def ended_by_body(aborted: bool) -> Exception:
-    """The error a commit is refused with when the body did not leave the guard's transaction
-    as it found it (``aborted``: a statement of the body failed, and the body went on)."""
-    if aborted:
-        what = (
-            "a statement of the body failed and aborted the guard's transaction, and the body "
-            "carried on (the error was caught): PostgreSQL will commit none of it"
-        )
-    else:
-        what = (
-            "the body ended the guard's transaction itself (a COMMIT or ROLLBACK sent on "
-            "current_connection(), raw SQL or a driver call): what it wrote before that was "
-            "committed or rolled back without the record, and the key's row lock was released "
-            "while the body still ran"
-        )
-    return IdempotencyBackendError(
-        None, f"{what}; the record is not committed and the key is free to run again"
-    )
-
-
 def import_psycopg() -> Any:
     try:
         import psycopg  # noqa: PLC0415 - optional dependency
@@ -425,17 +386,3 @@ def cooperative_wait(psycopg: Any) -> None:
     native = getattr(waiting, "wait_c", None)
     if native is not None and waiting.wait is native:
         waiting.wait = waiting.wait_select
-
-
-OURS = ("table", "lock_timeout")
-
-
-def split_url(url: str) -> tuple[str, dict[str, str]]:
-    """``url`` without this backend's own query parameters, and those parameters."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    ours = {k: v for k, v in query if k in OURS}
-    rest = [(k, v) for k, v in query if k not in OURS]
-    # quote, not quote_plus: libpq reads '+' in a URI as a plus sign, not a space, so
-    # '?options=-c%20work_mem%3D3MB' must not come out as '-c+work_mem=3MB'.
-    return urlunsplit(parts._replace(query=urlencode(rest, quote_via=quote))), ours

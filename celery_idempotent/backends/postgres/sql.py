@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from celery_idempotent.core.codec import ResultCodec
-from celery_idempotent.core.protocols import IdempotencyRecord
+from celery_idempotent.backends.sql.records import (
+    DEFAULT_TABLE,
+    check_table,
+    decode_row,
+    record_columns,
+)
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -19,6 +22,7 @@ __all__ = [
     "INVALID_TEXT_REPRESENTATION",
     "LOCK_NOT_AVAILABLE",
     "PUBLISH_PARAMS",
+    "AdminStatements",
     "Statements",
     "check_table",
     "ddl",
@@ -28,9 +32,6 @@ __all__ = [
     "record_columns",
 ]
 
-#: The table name when none is given (URL query parameter ``table``).
-DEFAULT_TABLE = "celery_idempotency"
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}(\.[A-Za-z_][A-Za-z0-9_]{0,47})?$")
 LOCK_NOT_AVAILABLE = "55P03"
 DIVISION_BY_ZERO = "22012"
 INVALID_TEXT_REPRESENTATION = "22P02"
@@ -65,16 +66,6 @@ def ddl(table: str = DEFAULT_TABLE) -> str:
         f'CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {t} (expires_at);\n'
         f"CREATE SEQUENCE IF NOT EXISTS {quote_table(schema + name + '_fencing')};\n"
     )
-
-
-def check_table(table: Any) -> str:
-    """``table`` if it is a PostgreSQL identifier (optionally schema-qualified), else an error."""
-    if not isinstance(table, str) or not _IDENT.match(table):
-        raise ValueError(
-            "table must be a PostgreSQL identifier (letters, digits, underscores, optionally "
-            f"schema-qualified: 'schema.table'), got {table!r}"
-        )
-    return table
 
 
 def is_pg_error(exc: BaseException, code: str) -> bool:
@@ -283,28 +274,49 @@ class Statements:
 PUBLISH_PARAMS = ("wait", "sync", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
 
 
-def record_columns(
-    codec: ResultCodec, key: str, record: IdempotencyRecord
-) -> tuple[str | None, str, str, bytes, float]:
-    """``record`` as the columns ``fingerprint, content_type, content_encoding, result,
-    created_at`` (in that order, as :attr:`Statements.upsert` and :attr:`Statements.commit`
-    take them); :class:`~celery_idempotent.core.exceptions.ResultEncodeError` when the serializer
-    refuses the result."""
-    data = codec.dumps(key, record.result)
-    return (
-        record.fingerprint,
-        codec.content_type,
-        codec.content_encoding,
-        data,
-        float(record.created_at),
-    )
+class AdminStatements:
+    """The SQL of the admin's reads and deletes (``inspect``, ``forget``, ``stats``) on one
+    table: PostgreSQL's text, run by :class:`~celery_idempotent.backends.sql.admin.SqlAdmin`
+    (the same logic on every dialect; MySQL's text is in its own ``sql.py``)."""
 
+    #: Whether a queued row says if a delivery claimed it (``requeue_marker`` types it).
+    says_claimed = True
 
-def decode_row(codec: ResultCodec, key: str, row: Sequence[Any]) -> IdempotencyRecord:
-    """The record in a row of :attr:`Statements.select`'s columns;
-    :class:`~celery_idempotent.core.exceptions.RecordDecodeError` when its result is refused."""
-    _state, fingerprint, ctype, encoding, data, created_at, fence = row
-    raw = bytes(data) if data is not None else b""
-    result = codec.loads(key, ctype, encoding, raw)
-    token = None if fence is None else int(fence)
-    return IdempotencyRecord(result, fingerprint, float(created_at or 0.0), token)
+    def __init__(self, table: str) -> None:
+        t = quote_table(table)
+        self.table = table
+        #: One key's row: state, fencing_token, fingerprint, content_type, content_encoding,
+        #: the result's size, created_at, seconds left, result.
+        self.row = (
+            "SELECT state, fencing_token, fingerprint, content_type, content_encoding, "
+            "octet_length(result), created_at, "
+            f"extract(epoch FROM expires_at - statement_timestamp()), result FROM {t} "
+            "WHERE key = %s"
+        )
+        self.count = f"SELECT count(*) FROM {t} WHERE key LIKE %s"
+        #: The rows no transaction holds, locked for this one (never waits).
+        self.free = f"SELECT key FROM {t} WHERE key LIKE %s FOR UPDATE SKIP LOCKED"
+        #: Each row and whether it holds an unexpired record.
+        self.live = (
+            "SELECT key, state = 'completed' AND expires_at > statement_timestamp() "
+            f"FROM {t} WHERE key LIKE %s"
+        )
+        #: The rows no running body holds (a shared lock: never waits, blocks no one long).
+        self.unheld = f"SELECT key FROM {t} WHERE key LIKE %s FOR SHARE SKIP LOCKED"
+        self._wait = "SELECT set_config('lock_timeout', %s, true)"
+        self._delete = f"DELETE FROM {t} WHERE key = %s"
+        self._delete_keys = f"DELETE FROM {t} WHERE key = ANY(%s)"
+
+    def forget_row(self, row: str, lock_timeout: float) -> list[tuple[str, tuple[Any, ...]]]:
+        """Delete one row, waiting at most ``lock_timeout`` for a running body's row lock
+        (then :meth:`lock_refused`); the last statement's count is the rows deleted."""
+        return [(self._wait, (f"{max(1, round(lock_timeout * 1000))}ms",)), (self._delete, (row,))]
+
+    def delete_keys(self, keys: Sequence[str]) -> list[tuple[str, tuple[Any, ...]]]:
+        """Delete rows this transaction locked already (by :attr:`free`): one statement."""
+        return [(self._delete_keys, (list(keys),))]
+
+    @staticmethod
+    def lock_refused(exc: BaseException) -> bool:
+        """Whether ``exc`` says a running body's row lock was not given up in time."""
+        return is_pg_error(exc, LOCK_NOT_AVAILABLE) or "lock timeout" in str(exc)

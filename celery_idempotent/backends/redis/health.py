@@ -9,9 +9,13 @@ memory``, which managed services that disable ``CONFIG`` still answer.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["eviction_policy", "eviction_warning"]
+from celery_idempotent.backends.redis.client import SentinelClientFactory, import_redis
+
+__all__ = ["eviction_policy", "eviction_warning", "health_client"]
 
 SAFE_POLICY = "noeviction"
 
@@ -57,3 +61,31 @@ def eviction_warning(where: str, policy: str | None, error: str | None) -> str |
         "noeviction on it, or keep the idempotency keys on a Redis of their own, apart from "
         "a cache"
     )
+
+
+@contextlib.contextmanager
+def health_client(source: Any, url: str | None) -> Iterator[Any]:
+    """A client for one health read (``INFO``) of the Redis that ``source`` (the
+    ``idempotency_client`` setting) or else ``url`` names, or ``None`` when there is none to
+    read with here: a user's client factory is called once per worker process, by the tasks.
+
+    A URL's client (2 s timeouts) and a Sentinel factory's are made for the read and closed
+    after it; a ready client (``source`` itself) is lent as it is and left open.
+    """
+    if source is None:
+        if url is None:
+            yield None
+            return
+        client = import_redis().Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    elif callable(getattr(source, "register_script", None)):
+        yield source
+        return
+    elif isinstance(source, SentinelClientFactory):
+        client = source()
+    else:
+        yield None
+        return
+    try:
+        yield client
+    finally:
+        client.close()

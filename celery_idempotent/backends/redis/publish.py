@@ -42,6 +42,7 @@ __all__ = [
     "install",
     "is_redis_transport",
     "kombu_problem",
+    "pending_for",
     "travels_with_push",
 ]
 
@@ -80,6 +81,23 @@ def travels_with_push(store: Any) -> bool:
     """Whether ``store``'s publish check can travel with kombu's Redis push (one script for
     both): a :class:`RedisIdempotencyStore`; other stores are checked before the publish."""
     return isinstance(store, RedisIdempotencyStore)
+
+
+def pending_for(
+    store: Any,
+    record: str,
+    lock: str,
+    task_id: str,
+    *,
+    fingerprint: str | None,
+    publish_ttl: float,
+    until: str = "completed",
+) -> Pending:
+    """The :class:`Pending` publish of a check by ``store``, which must travel with the push
+    (:func:`travels_with_push`); ``TypeError`` naming the store's type otherwise."""
+    if not isinstance(store, RedisIdempotencyStore):
+        raise TypeError(f"{type(store).__name__} cannot travel with kombu's Redis push")
+    return Pending(store, record, lock, task_id, fingerprint, publish_ttl, until=until)
 
 
 def goes_through(decision: PublishDecision, task_id: str) -> bool:

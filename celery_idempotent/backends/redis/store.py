@@ -28,6 +28,7 @@ from celery_idempotent.core.exceptions import (
     RecordDecodeError,
 )
 from celery_idempotent.core.protocols import Claim, IdempotencyRecord, Lease, PublishDecision
+from celery_idempotent.core.states import KeyState
 from celery_idempotent.core.validate import check_count, check_duration
 
 __all__ = ["PublishDecision", "RedisAtomicBackend", "RedisIdempotencyStore", "claims_end_marker"]
@@ -311,12 +312,14 @@ class RedisIdempotencyStore:
                 stored.task_id,
                 stored,
                 stored.fingerprint,
-                state="completed",
+                state=KeyState.COMPLETED,
                 ttl_left=_seconds_left(reply[2]),
             )
         if status == 3:
             stored = self.decode_v1(record, reply[1:])
-            return PublishDecision("completed", None, stored, stored.fingerprint, state="completed")
+            return PublishDecision(
+                "completed", None, stored, stored.fingerprint, state=KeyState.COMPLETED
+            )
         if status == 5:
             return PublishDecision("mismatch", _text(reply[1]), None, _text(reply[2]))
         if status == 6:
@@ -325,10 +328,31 @@ class RedisIdempotencyStore:
             return PublishDecision(
                 "queued",
                 _text(reply[1]),
-                state="running" if running else "queued",
+                state=KeyState.RUNNING if running else KeyState.QUEUED,
                 ttl_left=None if running else _seconds_left(reply[3]),
             )
         return PublishDecision("publish", unchecked=True)
+
+    def check_publish_until(
+        self,
+        record: str,
+        lock: str,
+        task_id: str,
+        fingerprint: str | None,
+        publish_ttl: float,
+        *,
+        until: str,
+    ) -> PublishDecision:
+        """:meth:`check_publish` with ``until`` (the ``ChecksPublishesUntil`` capability)."""
+        return self.check_publish(record, lock, task_id, fingerprint, publish_ttl, until=until)
+
+    def drop_unclaimed(self, record: str, lock: str, task_id: str) -> bool:
+        """:meth:`drop_queued` with ``lock`` (the ``KeepsClaimedMarkers`` capability)."""
+        return self.drop_queued(record, task_id, lock=lock)
+
+    def key_client(self) -> Any:
+        """This store's client (the ``InspectsKeys`` capability: the admin layer reads it)."""
+        return self.client
 
     def drop_queued(self, record: str, task_id: str, *, lock: str | None = None) -> bool:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
@@ -399,6 +423,10 @@ class RedisAtomicBackend:
         self.locks = locks
         self._claim = store.client.register_script(redis_scripts.CLAIM)
         self._end = store.client.register_script(redis_scripts.END)
+
+    def ending_marker(self, task_id: str) -> contextlib.AbstractContextManager[None]:
+        """:func:`claims_end_marker` (the ``EndsMarkerAtClaim`` capability)."""
+        return claims_end_marker(task_id)
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""

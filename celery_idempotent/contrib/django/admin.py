@@ -19,6 +19,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from celery_idempotent.contrib.django.models import IdempotencyKey, task_of_row
+from celery_idempotent.core.states import KeyState
 
 __all__ = ["IdempotencyKeyAdmin", "held_keys"]
 
@@ -131,10 +132,10 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):
     @admin.display(description="state")
     def shown_state(self, obj: IdempotencyKey) -> str:
         if getattr(obj, "held", False):
-            return "running"
+            return KeyState.RUNNING.value
         if obj.state == "claimed":
             if obj.ttl_left() > 0:  # within the claim's lease: held (a killed delivery's too)
-                return "running"
+                return KeyState.RUNNING.value
             return "free (claimed by an ended delivery)"  # and its lease has run out
         if obj.ttl_left() <= 0:
             return f"expired ({obj.state})"
