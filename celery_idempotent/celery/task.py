@@ -31,7 +31,7 @@ from celery import Task
 from celery._state import _task_stack
 
 from celery_idempotent import admin
-from celery_idempotent.admin import Forgotten, IdempotencyStatus
+from celery_idempotent.admin import Forgotten, IdempotencyStatus, KeyAdmin
 from celery_idempotent.celery import call_options, delivery
 from celery_idempotent.celery import keys as task_keys
 from celery_idempotent.celery.factory import factory, reset_backends
@@ -53,7 +53,6 @@ from celery_idempotent.celery.worker_start import (
     check_pool,
 )
 from celery_idempotent.core.guard import DistributedIdempotencyGuard
-from celery_idempotent.core.protocols import InspectsKeys
 from celery_idempotent.settings import IdempotencySettings, resolve, task_option_defaults
 
 __all__ = [
@@ -306,10 +305,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``apply_async``: ``charge.idempotency_status((42, 999))``), or ``key``, an explicit key
         as the ``idempotency_key`` header gives it, or ``task_id`` for a task keyed by task id.
         """
-        cfg, nkey, client = self._admin_target(args, kwargs, key=key, task_id=task_id)
-        if client is None:
-            return admin.status_from_guard(factory.guard(self, cfg), nkey)
-        return admin.status_of(admin.read_key(client, cfg.idempotency_key_prefix, nkey))
+        key_admin, nkey = self._admin_target(args, kwargs, key=key, task_id=task_id)
+        return key_admin.status(nkey)
 
     def idempotency_forget(
         self,
@@ -328,11 +325,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``force`` the lock goes too, if it is still the lease that was read. The same as
         ``celery -A proj idempotency forget`` (``--force``).
         """
-        cfg, nkey, client = self._admin_target(args, kwargs, key=key, task_id=task_id)
-        if client is None:
-            return admin.forget_from_guard(factory.guard(self, cfg), nkey, force=force)
-        info = admin.read_key(client, cfg.idempotency_key_prefix, nkey)
-        return admin.forget_key(client, info, force=force)
+        key_admin, nkey = self._admin_target(args, kwargs, key=key, task_id=task_id)
+        return key_admin.forget(nkey, force=force)
 
     def _admin_target(
         self,
@@ -341,15 +335,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         *,
         key: str | None,
         task_id: str | None,
-    ) -> tuple[IdempotencySettings, str, Any]:
-        """(settings, namespaced key, the client of a store the admin layer reads directly
-        (:class:`~celery_idempotent.core.protocols.InspectsKeys`) or ``None`` for another
-        backend) of the key the admin methods' arguments name."""
+    ) -> tuple[KeyAdmin, str]:
+        """(the admin of this task's backend, over the process's own store; the namespaced
+        key the admin methods' arguments name)."""
         cfg = self.idempotency_settings()
         nkey = task_keys.admin_key(self, cfg, args, kwargs, key=key, task_id=task_id)
         _, store = factory.backends(self, cfg)
-        client = store.key_client() if isinstance(store, InspectsKeys) else None
-        return cfg, nkey, client
+        key_admin = admin.admin_for(cfg, store=store, guard=factory.guard(self, cfg))
+        return key_admin, nkey
 
 
 def _calls_run_plainly(cls: type[IdempotentTask]) -> bool:

@@ -10,22 +10,18 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 
+from celery_idempotent.admin import KeyAdmin, admin_for
 from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.core.exceptions import IdempotencyError
 from celery_idempotent.settings import (
     IdempotencySettings,
-    make_client_from,
     resolve,
     result_accept,
 )
-from celery_idempotent.urls import redact
-
-if TYPE_CHECKING:
-    import redis
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -76,18 +72,20 @@ class _AppLevel:
 
 @dataclass
 class Target:
-    """Where the command works: the app, its resolved settings, a client and the prefix."""
+    """Where the command works: the app, its resolved settings, the backend's admin (one
+    :class:`~celery_idempotent.core.admin.KeyAdmin`, whatever the backend) and the prefix."""
 
     app: Any
     settings: IdempotencySettings
-    client: redis.Redis
-    url: str
+    admin: KeyAdmin
     prefix: str
     task: Any = None
     quiet: bool = False
-    #: The PostgreSQL backend when idempotency_url is postgresql:// or django:// (``client``
-    #: is then unused; see :mod:`celery_idempotent.cli.postgres`).
-    postgres: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The Redis client of a Redis admin (the SCAN walks of ``forget --task``)."""
+        return getattr(self.admin, "client", None)
 
     def namespace(self, task_name: str) -> str:
         """What ``task_name``'s keys are namespaced by: its ``idempotency_namespace`` (the
@@ -96,8 +94,8 @@ class Target:
 
     @property
     def shown_url(self) -> str:
-        """The URL without its password."""
-        return redact(self.url)
+        """Where the keys are, without a password."""
+        return str(getattr(self.admin, "shown_url", self.admin.where))
 
     def accept(self) -> list[str]:
         """The content types a stored result may be loaded from: as ``IdempotentTask``."""
@@ -168,61 +166,23 @@ def connect(
                 f"must be a non-empty string without braces, got {prefix!r}", param_hint="--prefix"
             )
         cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
-    if cfg.in_postgres:
-        from celery_idempotent.cli import postgres as pg_cli  # noqa: PLC0415 - psycopg only when used
-
-        accept = result_accept(app.conf)
-        return Target(
-            app=app,
-            settings=cfg,
-            client=None,  # type: ignore[arg-type]
-            url=cfg.backend_url,
-            prefix=cfg.idempotency_key_prefix,
-            task=task,
-            quiet=quiet,
-            postgres=pg_cli.backend_for(cfg, accept),
-        )
-    if cfg.in_memory:
-        raise click.UsageError(
-            "idempotency_url is memory://: its keys live inside each worker process, where "
-            "this command cannot see them (pass --url redis://...)"
-        )
     try:
-        if cfg.idempotency_client is not None:
-            client = make_client_from(cfg.idempotency_client, task_name=task_name)
-            backend = _client_label(client)
-        else:
-            backend = cfg.backend_url
-            client = redis_client.make_client(None, backend, "--url / idempotency_url")
+        admin = admin_for(
+            cfg,
+            accept=result_accept(app.conf),
+            serializer=app.conf.get("result_serializer") or "json",
+            task_name=task_name,
+        )
     except (TypeError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     return Target(
         app=app,
         settings=cfg,
-        client=client,
-        url=backend,
+        admin=admin,
         prefix=cfg.idempotency_key_prefix,
         task=task,
         quiet=quiet,
     )
-
-
-def _client_label(client: Any) -> str:
-    """Where an ``idempotency_client`` points, for the output (no password)."""
-    pool: Any = getattr(client, "connection_pool", None)
-    service = getattr(pool, "service_name", None)
-    if service:
-        return f"sentinel master {service!r} (db {pool.connection_kwargs.get('db', 0)})"
-    if getattr(client, "nodes_manager", None) is not None:  # RedisCluster
-        names = sorted(node.name for node in client.get_primaries())
-        more = ", ..." if len(names) > 3 else ""
-        return f"cluster of {len(names)} primaries ({', '.join(names[:3])}{more})"
-    kwargs = getattr(pool, "connection_kwargs", {}) or {}
-    if kwargs.get("path"):
-        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
-    if "host" in kwargs:
-        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
-    return type(client).__name__
 
 
 # --------------------------------------------------------------------------- output
@@ -274,13 +234,19 @@ def iso(at: float | None) -> str:
 
 
 def redis_errors(fn: F) -> F:
-    """Report an unreachable or failing Redis as a one-line error (exit status 1)."""
+    """Report an unreachable or failing Redis as a one-line error (exit status 1), and an
+    admin that cannot reach the keys at all (``memory://``: they live in each worker process)
+    as a usage error (exit status 2)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         redis_mod = redis_client.import_redis()
         try:
             return fn(*args, **kwargs)
+        except NotImplementedError as exc:
+            raise click.UsageError(
+                f"{exc}, where this command cannot see them (pass --url redis://...)"
+            ) from exc
         except (redis_mod.exceptions.RedisError, IdempotencyError, OSError) as exc:
             raise click.ClickException(f"Redis failed: {exc}") from exc
 

@@ -8,31 +8,18 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand
 
-from celery_idempotent.admin import (
-    ForgottenAll,
-    forget_all,
-    forget_key,
-    forget_plan,
-    held_lock_reason,
-    read_key,
-)
-from celery_idempotent.cli.common import Target, connect, emit_json, redis_errors
+from celery_idempotent.admin import ForgottenAll, forget_all
+from celery_idempotent.cli.common import Target, connect, emit_json, progress, redis_errors
 from celery_idempotent.cli.options import (
     KeySelection,
     batch_size_option,
     common_options,
     key_options,
 )
-from celery_idempotent.cli.scan import (
-    Scan,
-    count_task,
-    delete_task,
-    deleted_doc,
-    note_unattributed,
-    tagged_task,
-)
+from celery_idempotent.cli.scan import deleted_doc, note_unattributed
+from celery_idempotent.core.admin import FORCE_HINT, NamespaceCount
 from celery_idempotent.core.exceptions import IdempotencyKeyHeldError
-from celery_idempotent.core.names import HEAD_CHARS, MAX_READABLE_KEY
+from celery_idempotent.core.states import KeyState
 
 __all__ = ["forget"]
 
@@ -110,18 +97,7 @@ def forget(
         target = connect(
             ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task
         )
-        if target.postgres is not None:
-            _pg_forget(
-                target,
-                target.namespace(task_name),
-                None,
-                dry_run=dry_run,
-                yes=yes,
-                as_json=as_json,
-            )
-            return
         _forget_task(
-            ctx,
             target,
             target.namespace(task_name),
             dry_run=dry_run,
@@ -133,14 +109,10 @@ def forget(
         )
         return
     target = connect(ctx, task_name=task_name, url=url, prefix=prefix, any_task=selection.any_task)
-    nkey = selection.resolve(target)
-    if target.postgres is not None:
-        _pg_forget(target, None, nkey, dry_run=dry_run, yes=yes, as_json=as_json)
-        return
     _forget_one(
         ctx,
         target,
-        nkey,
+        selection.resolve(target),
         dry_run=dry_run,
         yes=yes,
         force=force,
@@ -149,41 +121,32 @@ def forget(
     )
 
 
-def _pg_forget(
+def _held(
+    ctx: click.Context,
     target: Target,
-    namespace: str | None,
-    nkey: str | None,
+    doc: dict[str, Any],
+    exc: IdempotencyKeyHeldError,
     *,
-    dry_run: bool,
-    yes: bool,
     as_json: bool,
 ) -> None:
-    """``forget`` on the PostgreSQL backend: rows a running body holds are always kept."""
-    from celery_idempotent.cli.postgres import admin_of  # noqa: PLC0415
-
-    pg_admin = admin_of(target.postgres)
-
-    where = f"table {target.postgres.table} on {target.shown_url}"
-    if not dry_run and not yes and not as_json:
-        what = f"key {nkey}" if nkey is not None else f"every record of task {namespace}"
-        click.confirm(f"Delete {what} from {where}?", abort=True)
-    if nkey is not None:
-        doc = pg_admin.forget_one(target.postgres, target.prefix, nkey, dry_run=dry_run)
-        done = (
-            f"{'would delete' if dry_run else 'deleted'} key {nkey}"
-            if doc["state"] == "completed" and (dry_run or doc["deleted"])
-            else f"key {nkey} is {doc['state'].replace('_', ' ')}: nothing deleted"
-        )
-    else:
-        doc = pg_admin.forget_task(target.postgres, target.prefix, namespace or "", dry_run=dry_run)
-        verb = "would delete" if dry_run else "deleted"
-        done = f"{verb} {doc['records']} record(s) of task {namespace} from {where}"
-        if doc["held"]:
-            done += f"; {doc['held']} row(s) held by running bodies are kept"
+    """A running body holds the key. Where ``--force`` could take the lock, that is a refusal
+    (exit status 1, saying how to force it); where nothing can take it (a row lock of a live
+    SQL session), the key is reported kept (exit status 0)."""
+    nkey = doc["key"]
+    doc["state"] = KeyState.RUNNING.json_name
+    if not target.admin.can_force:
+        doc["kept"] = [str(exc.message or exc)]
+        if as_json:
+            emit_json(doc)
+        else:
+            click.echo(f"key {nkey} is in progress: nothing deleted ({exc.message or exc})")
+        return
+    doc["refused"] = str(exc.message or exc).replace(FORCE_HINT, "pass --force")
     if as_json:
         emit_json(doc)
     else:
-        click.echo(done)
+        click.echo(f"refused: {doc['refused']}", err=True)
+    ctx.exit(1)
 
 
 def _forget_one(
@@ -197,75 +160,72 @@ def _forget_one(
     include_fences: bool,
     as_json: bool,
 ) -> None:
-    info = read_key(target.client, target.prefix, nkey)
+    """Forget one key: what would go is read first (and shown with ``--dry-run``), then
+    confirmed (unless ``--yes``), then deleted."""
+    admin = target.admin
     doc: dict[str, Any] = {
         "key": nkey,
         "prefix": target.prefix,
         "url": target.shown_url,
-        "state": info.state,
+        "state": KeyState.ABSENT.json_name,
         "dry_run": dry_run,
         "deleted": [],
         "refused": None,
     }
     try:
-        plan = forget_plan(info, force=force, include_fences=include_fences)
-    except IdempotencyKeyHeldError:
-        doc["refused"] = held_lock_reason(info, force_hint="pass --force")
+        plan = admin.forget(nkey, force=force, include_fences=include_fences, dry_run=True)
+    except IdempotencyKeyHeldError as exc:
+        _held(ctx, target, doc, exc, as_json=as_json)
+        return
+    state = KeyState.of(plan.state)
+    doc["state"] = state.json_name
+    if not plan.would_delete:
         if as_json:
             emit_json(doc)
         else:
-            click.echo(f"refused: {doc['refused']}", err=True)
-        ctx.exit(1)
-    if not plan:
-        if as_json:
-            emit_json(doc)
-        else:
-            click.echo(f"nothing to forget: {nkey} is absent")
+            click.echo(f"nothing to forget: {nkey} is {state.json_name.replace('_', ' ')}")
         return
     if dry_run:
-        doc["would_delete"] = plan
+        doc["would_delete"] = list(plan.would_delete)
         if as_json:
             emit_json(doc)
         else:
-            click.echo(f"would delete ({info.state.replace('_', ' ')}):")
-            for name in plan:
+            click.echo(f"would delete ({state.json_name.replace('_', ' ')}):")
+            for name in plan.would_delete:
                 click.echo(f"  {name}")
         return
     if not yes:
-        what = " and its HELD lock" if info.lock_token is not None else ""
+        what = " and its HELD lock" if state == KeyState.RUNNING else ""
         click.confirm(
             f"Forget {nkey}{what} on {target.shown_url}? Its next delivery runs the body again",
             abort=True,
             err=True,
         )
-    # One script (admin.forget_key): the lock is compared with the token that was shown (a
-    # lease taken since is someone else's and stays); a fence key is deleted only once the
-    # server clock has passed it; a fencing token ahead of the clock is kept in the fence key.
-    deleted = list(
-        forget_key(target.client, info, force=force, include_fences=include_fences).deleted
-    )
-    if info.lock_token is not None and info.lock_name not in deleted:
-        doc["lock_changed"] = True
-    if include_fences and info.fence_value is not None and info.fence_name not in deleted:
-        doc["fence_kept"] = True
-    doc["deleted"] = deleted
+    # Redis: one script, the lock compared with the token that was read (a lease taken since
+    # is someone else's and stays); a fence key is deleted only once the server clock has
+    # passed it. SQL: the row, unless a running body has taken it since.
+    try:
+        done = admin.forget(nkey, force=force, include_fences=include_fences)
+    except IdempotencyKeyHeldError as exc:
+        _held(ctx, target, doc, exc, as_json=as_json)
+        return
+    doc["deleted"] = list(done.deleted)
+    if done.kept:
+        doc["kept"] = list(done.kept)
     if as_json:
         emit_json(doc)
         return
-    for name in deleted:
-        click.echo(f"deleted {name}")
-    if doc.get("lock_changed"):
-        click.echo(f"kept {info.lock_name}: it changed hands since it was read", err=True)
-    if doc.get("fence_kept"):
-        click.echo(
-            f"kept {info.fence_name}: the server clock is behind its fencing token", err=True
-        )
-    if not deleted:
+    if done.deleted:
+        click.echo(f"deleted key {nkey}:")
+    for name in done.deleted:
+        click.echo(f"  {name}")
+    for why in done.kept:
+        click.echo(f"kept {why}", err=True)
+    if not done.deleted:
         click.echo("nothing deleted: the key changed since it was read")
 
 
 def _forget_task(
-    ctx: click.Context,
     target: Target,
     task: str,
     *,
@@ -276,42 +236,44 @@ def _forget_task(
     batch_size: int,
     as_json: bool,
 ) -> None:
-    if len(tagged_task(task)) >= HEAD_CHARS and not target.quiet:
-        click.echo(
-            f"note: keys of {task} longer than {MAX_READABLE_KEY} characters are stored under a "
-            f"shortened name that keeps only their first {HEAD_CHARS} characters; those that "
-            "cannot be told apart from other tasks' are reported, not deleted (use --raw)",
-            err=True,
-        )
-    where = f"task {task} under prefix {target.prefix!r} on {target.shown_url}"
+    """Forget every key of one namespace: counted first (the count is the dry run), confirmed
+    (unless ``--yes``), then deleted."""
+    admin = target.admin
+    note = admin.namespace_note(task)
+    if note is not None and not target.quiet:
+        click.echo(f"note: {note}", err=True)
+    where = f"task {task} under {admin.where}"
     doc: dict[str, Any] = {
         "task": task,
         "prefix": target.prefix,
         "url": target.shown_url,
         "dry_run": dry_run,
     }
+    options: dict[str, Any] = {
+        "force": force,
+        "include_fences": include_fences,
+        "batch_size": batch_size,
+        "progress": lambda line: progress(target, line),
+    }
     if dry_run or not yes:
-        found = count_task(target, task, batch_size, force, include_fences)
+        found = admin.forget_namespace(task, dry_run=True, **options)
+        held = found.locks + found.kept_locks
         doc.update(
             records=found.records,
-            held_locks=found.locks,
+            held_locks=held,
             unattributed=found.unattributed,
-            sample=found.sample,
+            sample=list(found.sample),
         )
         if include_fences:
             doc["fences"] = found.fences
-        to_delete = found.records + (found.locks if force else 0) + found.fences
-        kept = (
-            ""
-            if force or not found.locks
-            else (
-                f"; {found.locks} held lock(s) (bodies running now) are kept, --force deletes them"
-            )
-        )
+        to_delete = found.records + found.locks + found.fences
+        kept = ""
+        if found.kept_locks:
+            kept = f"; {found.kept_locks} held lock(s) (bodies running now) are kept"
+            if admin.can_force:
+                kept += ", --force deletes them"
         fenced = f", {found.fences} fence(s)" if include_fences else ""
-        summary = (
-            f"{found.records} record(s){fenced} and {found.locks} held lock(s) of {where}{kept}"
-        )
+        summary = f"{found.records} record(s){fenced} and {held} held lock(s) of {where}{kept}"
         if dry_run:
             if as_json:
                 emit_json(doc)
@@ -321,11 +283,11 @@ def _forget_task(
                 click.echo(f"  {name}")
             if to_delete > len(found.sample):
                 click.echo(f"  ... and {to_delete - len(found.sample)} more")
-            note_unattributed(found)
+            note_unattributed(found.unattributed)
             return
         if to_delete == 0:
             if as_json:
-                doc.update(deleted=deleted_doc(Scan(), include_fences))
+                doc.update(deleted=deleted_doc(NamespaceCount(), include_fences))
                 emit_json(doc)
             else:
                 click.echo(f"nothing to forget: {summary}")
@@ -333,9 +295,10 @@ def _forget_task(
         click.confirm(
             f"Forget {summary}? Their next deliveries run the body again", abort=True, err=True
         )
-    done = delete_task(target, task, batch_size, force, include_fences)
+    done = admin.forget_namespace(task, **options)
     doc.update(
         deleted=deleted_doc(done, include_fences),
+        kept_locks=done.kept_locks,
         unattributed=done.unattributed,
         scanned=done.scanned,
     )
@@ -343,8 +306,11 @@ def _forget_task(
         emit_json(doc)
         return
     fenced = f", {done.fences} fence(s)" if include_fences else ""
-    click.echo(f"deleted {done.records} record(s){fenced} and {done.locks} lock(s) of {where}")
-    note_unattributed(done)
+    line = f"deleted {done.records} record(s){fenced} and {done.locks} lock(s) of {where}"
+    if done.kept_locks:
+        line += f"; {done.kept_locks} held lock(s) (bodies running now) are kept"
+    click.echo(line)
+    note_unattributed(done.unattributed)
 
 
 def _forget_all(

@@ -1,28 +1,18 @@
-"""The ``celery idempotency`` commands on the PostgreSQL backend (``postgresql://``, ``django://``).
+"""``celery idempotency sql``: the SQL backends' DDL (PostgreSQL, MySQL / MariaDB).
 
-``celery_idempotent.cli`` resolves the app's settings and the key as for Redis, then hands a
-``postgresql://`` target to :func:`backend_for`; ``inspect``, ``forget`` and ``stats`` read and
-delete through :mod:`celery_idempotent.backends.postgres.admin` (``--force`` cannot take a row lock
-away from a live session) and print what it returns. ``sql`` prints the DDL (no connection).
-``django://`` URLs need the Django project configured (``DJANGO_SETTINGS_MODULE``), as the
-worker has it.
+``inspect``, ``forget`` and ``stats`` are the same commands on every backend (the SQL
+backends' admin is :class:`~celery_idempotent.backends.sql.admin.SqlAdmin`); ``sql``, the
+one command of the SQL backends only, prints the DDL (no connection).
 """
 
 from __future__ import annotations
 
-import json
-from types import ModuleType
-from typing import Any
-
 import click
 
-from celery_idempotent.backends import sql_backend_from_url
 from celery_idempotent.backends.postgres import DEFAULT_TABLE, ddl
 from celery_idempotent.backends.postgres.connections import split_url
-from celery_idempotent.backends.sql.backend import SQLBackend
-from celery_idempotent.core.states import IN_PROGRESS
 
-__all__ = ["admin_of", "backend_for", "inspect", "sql_command"]
+__all__ = ["sql_command"]
 
 
 @click.command(name="sql")
@@ -54,74 +44,3 @@ def sql_command(table: str | None, url: str | None, dialect: str | None = None) 
         click.echo(make_ddl(name or DEFAULT_TABLE), nl=False)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--table") from exc
-
-
-def admin_of(backend: SQLBackend) -> ModuleType:
-    """The admin module of ``backend``'s database: PostgreSQL's, or MySQL's."""
-    if getattr(backend, "dialect", "postgresql") == "mysql":
-        from celery_idempotent.backends.mysql import admin as mysql_admin  # noqa: PLC0415
-
-        return mysql_admin
-    from celery_idempotent.backends.postgres import admin as pg_admin  # noqa: PLC0415
-
-    return pg_admin
-
-
-def backend_for(cfg: Any, accept: list[str]) -> SQLBackend:
-    """The backend of the app's ``idempotency_url``, loading results with ``accept``."""
-    url: str = cfg.backend_url
-    if url.startswith("django://"):
-        import django  # noqa: PLC0415
-
-        django.setup()
-    return sql_backend_from_url(url, accept=accept or ["json"])
-
-
-def inspect(
-    backend: SQLBackend,
-    prefix: str,
-    nkey: str,
-    *,
-    show_result: bool,
-    as_json: bool,
-    shown_url: str,
-) -> int:
-    """Print one key's state; returns the exit status."""
-    describe = admin_of(backend).describe
-    doc = describe(backend, prefix, nkey, show_result=show_result, shown_url=shown_url)
-    state, held, row = doc["state"], doc["held"], doc["row"]
-    record = doc["record"]
-    result, error = doc.get("result"), doc.get("result_error")
-    if as_json:
-        click.echo(json.dumps(doc, default=repr))
-    else:
-        from celery_idempotent.admin import format_duration  # noqa: PLC0415
-        from celery_idempotent.cli.common import print_pairs, print_result  # noqa: PLC0415
-
-        states = {
-            "completed": "completed",
-            IN_PROGRESS: "in progress (a transaction holds the row)",
-            "queued": "queued (published, no delivery has committed it)",
-            "absent": "absent",
-        }
-        pairs = [("key", nkey), ("state", states[state])]
-        if doc.get("queued") is not None:
-            pairs += [
-                ("task id", str(doc["queued"]["task_id"] or "-")),
-                ("marker ttl left", format_duration(doc["queued"]["ttl"])),
-            ]
-        if record is not None:
-            rec = doc["record"]
-            pairs += [
-                ("age", format_duration(rec["age"])),
-                ("ttl left", format_duration(rec["ttl"])),
-                ("fencing token", str(rec["fencing_token"] or "-")),
-                ("fingerprint", rec["fingerprint"] or "- (stored without input)"),
-                ("result", f"{rec['content_type']}, {rec['encoding']}, {rec['size']} bytes"),
-                ("lock", "held by a running transaction" if held else "free"),
-            ]
-        pairs += [("row", row), ("table", backend.table)]
-        print_pairs(pairs)
-        if show_result and record is not None:
-            print_result(result, error)
-    return 1 if error is not None else 0

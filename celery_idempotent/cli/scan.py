@@ -1,63 +1,27 @@
-"""Walking a prefix's names with SCAN for the commands (``forget --task``, ``forget --all``,
-``stats``): :mod:`celery_idempotent.backends.redis.scan`'s walk, with the progress lines on
-stderr, and the commands' own output helpers."""
+"""The output helpers of the commands that walk a key namespace (``forget --task``)."""
 
 from __future__ import annotations
 
 import click
 
-from celery_idempotent.backends.redis.scan import (
-    Scan,
-    decode_name,
-    scan_names,
-    tagged_task,
-)
-from celery_idempotent.backends.redis.scan import count_task as _count_task
-from celery_idempotent.backends.redis.scan import delete_task as _delete_task
-from celery_idempotent.cli.common import Target, progress
+from celery_idempotent.core.admin import NamespaceCount
 
-__all__ = [
-    "Scan",
-    "count_task",
-    "decode_name",
-    "delete_task",
-    "deleted_doc",
-    "note_unattributed",
-    "scan_names",
-    "tagged_task",
-]
+__all__ = ["deleted_doc", "note_unattributed"]
 
 
-def count_task(
-    target: Target, task: str, batch_size: int, force: bool, fences: bool = False
-) -> Scan:
-    """Count a task's records and held locks (and fences), progress on stderr."""
-    return _count_task(
-        target, task, batch_size, force, fences, progress=lambda line: progress(target, line)
-    )
-
-
-def delete_task(
-    target: Target, task: str, batch_size: int, force: bool, fences: bool = False
-) -> Scan:
-    """Delete a task's records (with ``force`` its held locks, with ``fences`` its fences)
-    in pipelined batches, progress on stderr."""
-    return _delete_task(
-        target, task, batch_size, force, fences, progress=lambda line: progress(target, line)
-    )
-
-
-def deleted_doc(done: Scan, include_fences: bool) -> dict[str, int]:
+def deleted_doc(done: NamespaceCount, include_fences: bool) -> dict[str, int]:
+    """What was deleted, as ``forget --json`` reports it."""
     deleted = {"records": done.records, "locks": done.locks}
     if include_fences:
         deleted["fences"] = done.fences
     return deleted
 
 
-def note_unattributed(found: Scan) -> None:
-    if found.unattributed:
+def note_unattributed(unattributed: int) -> None:
+    """The stderr note about shortened names that may be the task's (left alone)."""
+    if unattributed:
         click.echo(
-            f"{found.unattributed} shortened key(s) may belong to this task but cannot be "
+            f"{unattributed} shortened key(s) may belong to this task but cannot be "
             "attributed (its name is too long); they were left alone",
             err=True,
         )

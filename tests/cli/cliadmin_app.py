@@ -67,7 +67,7 @@ def make_app(url: str | None, prefix: str, **conf: Any) -> Celery:
     @app.task(base=IdempotentTask, shared=False, name="cliadmin.hold", idempotency_lock_ttl=2)
     def hold(gate: str) -> str:
         STARTED.setdefault(gate, threading.Event()).set()
-        if not GATES.setdefault(gate, threading.Event()).wait(30):
+        if not GATES.setdefault(gate, threading.Event()).wait(120):  # slow subprocesses
             raise TimeoutError(f"gate {gate} was never opened")
         return f"released {gate}"
 

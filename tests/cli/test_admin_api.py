@@ -100,9 +100,10 @@ def assert_agree(status: IdempotencyStatus, doc: dict[str, Any]) -> None:
         assert status.fencing_token == record["fencing_token"]
         assert status.task_id == record["task_id"]
         assert status.ttl is not None
-        assert abs(status.ttl - record["ttl"]) < 5
+        # read apart by a `celery` subprocess's start (seconds on a loaded host)
+        assert abs(status.ttl - record["ttl"]) < 30
         assert status.age is not None
-        assert abs(status.age - record["age"]) < 5
+        assert abs(status.age - record["age"]) < 30
     elif status.state == "running":
         assert status.holder == lock["holder"]
         assert status.fencing_token == doc["fence"]["last"]

@@ -79,3 +79,26 @@ def my_backend(mysql_url: str, my_table: str) -> Iterator[Any]:
         if tx.lease is not None:
             backend.release(tx.lease)
     backend.close()
+
+
+@pytest.fixture(scope="session")
+def sql_side(mysql_url: str) -> Any:
+    """This server as the SQL worker tests read it (``tests/support/sql_side.py``)."""
+    from mysql_support import query
+
+    from tests.support.sql_side import SqlSide
+
+    return SqlSide(
+        name="mysql",
+        url=mysql_url,
+        query=lambda sql, *params: query(mysql_url, sql, *params),
+        quote=lambda name: f"`{name}`",
+        exists=lambda table: bool(query(mysql_url, "SHOW TABLES LIKE %s", table)),
+        drop=lambda table: drop_table(mysql_url, table),
+        serial_key="BIGINT AUTO_INCREMENT",
+        table_options=" ENGINE=InnoDB",
+        app="my_app",
+        app_dir=Path(__file__).resolve().parent,
+        env="MY",
+        django_backend="celery_idempotent.backends.mysql.django_backend:DjangoMySQLBackend",
+    )

@@ -70,3 +70,31 @@ def pg_backend(postgres_url: str, pg_table: str) -> Iterator[Any]:
         if tx.lease is not None:
             backend.release(tx.lease)
     backend.close()
+
+
+@pytest.fixture(scope="session")
+def sql_side(postgres_url: str) -> Any:
+    """This server as the SQL worker tests read it (``tests/support/sql_side.py``)."""
+    import psycopg
+
+    from tests.support.sql_side import SqlSide
+
+    def query(sql: str, *params: Any) -> list[Any]:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            cur = conn.execute(sql, params or None)
+            return list(cur.fetchall()) if cur.description else []
+
+    return SqlSide(
+        name="postgres",
+        url=postgres_url,
+        query=query,
+        quote=lambda name: f'"{name}"',
+        exists=lambda table: query("SELECT to_regclass(%s)", table)[0][0] is not None,
+        drop=lambda table: drop_table(postgres_url, table),
+        serial_key="bigserial",
+        table_options="",
+        app="pg_app",
+        app_dir=Path(__file__).resolve().parent,
+        env="PG",
+        django_backend="celery_idempotent:DjangoBackend",
+    )

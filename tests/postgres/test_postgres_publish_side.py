@@ -1,70 +1,36 @@
-"""The publish-side check on PostgreSQL (``ChecksPublishes`` on the backend): the decisions and
-the queued marker's life of the Redis check, in one statement (one round trip), never waiting
-for a running body.
-
-The marker is a row in state ``queued`` (the task id in ``result``), which a claim takes as a
-free row and a commit overwrites with the record; a running delivery's row shows the marker to
-other sessions until it commits.
+"""The publish-side check on PostgreSQL: the tests shared with MySQL
+(``tests/support/sql_publish_side.py``), in one statement (one round trip: BEGIN, the
+statement, COMMIT in one pipeline flight), and what is PostgreSQL's own: a claim marks the
+marker "claimed", committed at once, so a body that ends without committing frees its key; a
+re-queued delivery queues its marker again; the marker's age.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import pytest
 
-from celery_idempotent.core.protocols import ChecksPublishes, IdempotencyRecord
+from tests.support.sql_publish_side import (  # noqa: F401 - collected here against PostgreSQL
+    LOCK,
+    REC,
+    SqlPublish,
+    check,
+    test_a_lost_message_blocks_the_key_for_publish_ttl_only,
+    test_a_running_body_published_unchecked_is_left_to_the_guard,
+    test_decisions_through_a_keys_life,
+    test_status_and_forget_see_the_marker,
+    test_the_backend_has_the_capability,
+    test_the_check_is_one_flight,
+    test_threads_publishing_one_key_at_once_make_one_publish,
+)
 
-REC = "idempotency:{pub.charge:key:order-1}"
-LOCK = "idempotency:lock:{pub.charge:key:order-1}"
 
-
-def check(backend: Any, task_id: str, fp: str | None = "fp-1", ttl: float = 60.0) -> Any:
-    return backend.check_publish(REC, LOCK, task_id, fp, ttl)
-
-
-def test_the_backend_has_the_capability(pg_backend: Any) -> None:
-    assert isinstance(pg_backend, ChecksPublishes)
-
-
-def test_decisions_through_a_keys_life(pg_backend: Any) -> None:
-    first = check(pg_backend, "t-1")
-    assert (first.action, first.unchecked) == ("publish", False)
-    assert check(pg_backend, "t-1").action == "publish"  # its own marker: goes through
-    again = check(pg_backend, "t-2")
-    assert (again.action, again.task_id, again.state) == ("queued", "t-1", "queued")
-    assert again.ttl_left is not None
-    assert 0 < again.ttl_left <= 60
-    other = check(pg_backend, "t-3", fp="fp-other")
-    assert (other.action, other.task_id, other.stored_fingerprint) == ("mismatch", "t-1", "fp-1")
-    assert check(pg_backend, "t-4", fp=None).action == "queued"  # no fingerprint: no mismatch
-
-    # The delivery claims the key: while its body runs, a publish still sees the marker, at
-    # once (no wait for the running transaction's row lock).
-    claim = pg_backend.claim(LOCK, REC, 30)
-    assert claim.lease is not None
-    try:
-        began = time.monotonic()
-        running = check(pg_backend, "t-5")
-        assert time.monotonic() - began < pg_backend.lock_timeout
-        assert (running.action, running.task_id, running.state) == ("queued", "t-1", "running")
-        record = IdempotencyRecord({"ok": 1}, "fp-1", time.time(), claim.lease.fencing_token)
-        assert pg_backend.commit(claim.lease, REC, record, 60)
-    except BaseException:
-        pg_backend.release(claim.lease)
-        raise
-    done = check(pg_backend, "t-6")
-    assert (done.action, done.state) == ("completed", "completed")
-    assert done.ttl_left is not None
-    assert 50 < done.ttl_left <= 60
-    assert done.record is not None
-    assert done.record.result == {"ok": 1}
-    mismatch_done = check(pg_backend, "t-7", fp="fp-other")
-    assert mismatch_done.action == "completed"
-    assert mismatch_done.stored_fingerprint == "fp-1"  # the caller raises the mismatch
-    assert pg_backend.drop_queued(REC, "t-1") is False  # a record now: not a marker
+@pytest.fixture
+def sqlpub(pg_backend: Any) -> SqlPublish:
+    # BEGIN, the statement, COMMIT: one pipeline flight; a check never waits lock_timeout.
+    return SqlPublish(pg_backend, quick=pg_backend.lock_timeout, flight=3, claims_marker=True)
 
 
 def test_a_body_that_ends_without_committing_frees_its_key(pg_backend: Any) -> None:
@@ -97,88 +63,11 @@ def test_a_requeued_delivery_queues_its_marker_again(pg_backend: Any) -> None:
     assert pg_backend.requeue_marker(REC, "t-1", 60) is False
 
 
-def test_a_lost_message_blocks_the_key_for_publish_ttl_only(pg_backend: Any) -> None:
-    assert check(pg_backend, "t-1", ttl=0.3).action == "publish"
-    assert check(pg_backend, "t-2").action == "queued"
-    time.sleep(0.5)
-    fresh = check(pg_backend, "t-2")
-    assert (fresh.action, fresh.unchecked) == ("publish", False)
-    assert check(pg_backend, "t-3").task_id == "t-2"
-
-
-def test_a_running_body_published_unchecked_is_left_to_the_guard(pg_backend: Any) -> None:
-    claim = pg_backend.claim(LOCK, REC, 30)  # its row inserted, not committed: invisible
-    assert claim.lease is not None
-    try:
-        began = time.monotonic()
-        found = check(pg_backend, "t-1")
-        assert time.monotonic() - began < pg_backend.lock_timeout + 2.0
-        assert (found.action, found.unchecked) == ("publish", True)
-    finally:
-        pg_backend.release(claim.lease)
-
-
-def test_the_check_is_one_flight(pg_backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    check(pg_backend, "warm-up")  # the table exists, a connection is pooled
-    pg_backend.drop_queued(REC, "warm-up")
-    flights: list[int] = []
-    send = pg_backend._send
-
-    def counted(conn: Any, statements: Any) -> Any:
-        flights.append(len(statements))
-        return send(conn, statements)
-
-    monkeypatch.setattr(pg_backend, "_send", counted)
-    assert check(pg_backend, "t-1").action == "publish"
-    assert check(pg_backend, "t-2").action == "queued"
-    assert flights == [3, 3]  # BEGIN, the statement, COMMIT: one pipeline flight each
-
-
-def test_threads_publishing_one_key_at_once_make_one_publish(pg_backend: Any) -> None:
-    check(pg_backend, "warm-up")
-    pg_backend.drop_queued(REC, "warm-up")
-    n = 8
-    barrier = threading.Barrier(n)
-    decisions: dict[str, Any] = {}
-
-    def one(i: int) -> None:
-        barrier.wait()
-        decisions[f"t-{i}"] = check(pg_backend, f"t-{i}")
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    published = [tid for tid, d in decisions.items() if d.action == "publish"]
-    assert len(decisions) == n
-    assert len(published) == 1, decisions
-    assert all(d.unchecked is False for d in decisions.values())
-    assert {d.task_id for tid, d in decisions.items() if tid not in published} == set(published)
-
-
-def test_status_and_forget_see_the_marker(pg_backend: Any) -> None:
-    from celery_idempotent import DistributedIdempotencyGuard, admin
-
-    guard = DistributedIdempotencyGuard(store=pg_backend, lock_provider=pg_backend)
-    key = "pub.charge:key:order-9"
-    record, lock = guard.record_key(key), guard.lock_resource(key)
-    assert admin.status_from_guard(guard, key).state == "absent"
-    assert pg_backend.check_publish(record, lock, "t-9", "fp", 60).action == "publish"
-    status = admin.status_from_guard(guard, key)
-    assert (status.state, status.task_id) == ("queued", "t-9")
-    assert status.ttl is not None
-    assert 0 < status.ttl <= 60
-    gone = admin.forget_from_guard(guard, key, force=False)
-    assert (gone.state, gone.deleted) == ("queued", (record,))
-    assert admin.status_from_guard(guard, key).state == "absent"
-
-
 def test_status_shows_the_markers_age_and_whether_a_delivery_claimed_it(pg_backend: Any) -> None:
     """SPEC §8: ``Task.idempotency_status`` (and ``inspect``) show a queued key's age and
     whether a delivery ever claimed it, on PostgreSQL as on Redis."""
     from celery_idempotent import DistributedIdempotencyGuard, admin
-    from celery_idempotent.backends.postgres import admin as pg_admin
+    from celery_idempotent.backends.sql import admin as pg_admin
 
     guard = DistributedIdempotencyGuard(store=pg_backend, lock_provider=pg_backend)
     key = "pub.charge:key:order-1"

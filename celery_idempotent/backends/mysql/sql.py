@@ -22,6 +22,7 @@ __all__ = [
     "LOCK_ERRORS",
     "MAX_KEY",
     "SAVEPOINT_GONE",
+    "AdminStatements",
     "Statements",
     "check_table",
     "ddl",
@@ -271,3 +272,48 @@ class Statements:
         may be planned as a scan on a small table, which would wait on the rows a running
         claim holds; a primary-key lookup touches only its own row, locked by us already."""
         return [(self.delete_any, (key,)) for key in keys]
+
+
+class AdminStatements:
+    """The SQL of the admin's reads and deletes (``inspect``, ``forget``, ``stats``) on one
+    table: MySQL's / MariaDB's text, run by
+    :class:`~celery_idempotent.backends.sql.admin.SqlAdmin` (the same logic as on
+    PostgreSQL, whose ``sql.py`` holds its own text)."""
+
+    #: Whether a queued row says if a delivery claimed it (no ``requeue_marker`` here).
+    says_claimed = False
+
+    def __init__(self, table: str) -> None:
+        t = quote_table(table)
+        now = "UTC_TIMESTAMP(6)"
+        self.table = table
+        self.row = (
+            "SELECT state, fencing_token, fingerprint, content_type, content_encoding, "
+            f"LENGTH(result), created_at, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) / 1e6, "
+            f"result FROM {t} WHERE `key` = %s"
+        )
+        self.count = f"SELECT count(*) FROM {t} WHERE `key` LIKE %s"
+        self.free = f"SELECT `key` FROM {t} WHERE `key` LIKE %s FOR UPDATE SKIP LOCKED"
+        self.live = (
+            f"SELECT `key`, state = 'completed' AND expires_at > {now} FROM {t} WHERE `key` LIKE %s"
+        )
+        # InnoDB's SKIP LOCKED skips a row only against a conflicting lock: an exclusive one
+        # sees every row a running body holds.
+        self.unheld = f"SELECT `key` FROM {t} WHERE `key` LIKE %s FOR UPDATE SKIP LOCKED"
+        self._probe = f"SELECT `key` FROM {t} WHERE `key` = %s FOR UPDATE NOWAIT"
+        self._delete = f"DELETE FROM {t} WHERE `key` = %s"
+
+    def forget_row(self, row: str, lock_timeout: float) -> list[tuple[str, tuple[Any, ...]]]:
+        """Delete one row unless a running body holds it (``NOWAIT``: then
+        :meth:`lock_refused`); the last statement's count is the rows deleted."""
+        del lock_timeout  # NOWAIT: a held row is refused at once
+        return [(self._probe, (row,)), (self._delete, (row,))]
+
+    def delete_keys(self, keys: Sequence[str]) -> list[tuple[str, tuple[Any, ...]]]:
+        """One ``DELETE`` by primary key per key (see :meth:`Statements.delete_keys`)."""
+        return [(self._delete, (key,)) for key in keys]
+
+    @staticmethod
+    def lock_refused(exc: BaseException) -> bool:
+        """Whether ``exc`` says a running body holds the row (a lock wait refused)."""
+        return error_code(exc) in LOCK_ERRORS

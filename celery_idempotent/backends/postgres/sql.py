@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from celery_idempotent.backends.sql.records import (
     DEFAULT_TABLE,
     check_table,
@@ -19,6 +22,7 @@ __all__ = [
     "INVALID_TEXT_REPRESENTATION",
     "LOCK_NOT_AVAILABLE",
     "PUBLISH_PARAMS",
+    "AdminStatements",
     "Statements",
     "check_table",
     "ddl",
@@ -255,3 +259,51 @@ class Statements:
 
 #: The order of :attr:`Statements.publish`'s parameters.
 PUBLISH_PARAMS = ("wait", "sync", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
+
+
+class AdminStatements:
+    """The SQL of the admin's reads and deletes (``inspect``, ``forget``, ``stats``) on one
+    table: PostgreSQL's text, run by :class:`~celery_idempotent.backends.sql.admin.SqlAdmin`
+    (the same logic on every dialect; MySQL's text is in its own ``sql.py``)."""
+
+    #: Whether a queued row says if a delivery claimed it (``requeue_marker`` types it).
+    says_claimed = True
+
+    def __init__(self, table: str) -> None:
+        t = quote_table(table)
+        self.table = table
+        #: One key's row: state, fencing_token, fingerprint, content_type, content_encoding,
+        #: the result's size, created_at, seconds left, result.
+        self.row = (
+            "SELECT state, fencing_token, fingerprint, content_type, content_encoding, "
+            "octet_length(result), created_at, "
+            f"extract(epoch FROM expires_at - statement_timestamp()), result FROM {t} "
+            "WHERE key = %s"
+        )
+        self.count = f"SELECT count(*) FROM {t} WHERE key LIKE %s"
+        #: The rows no transaction holds, locked for this one (never waits).
+        self.free = f"SELECT key FROM {t} WHERE key LIKE %s FOR UPDATE SKIP LOCKED"
+        #: Each row and whether it holds an unexpired record.
+        self.live = (
+            "SELECT key, state = 'completed' AND expires_at > statement_timestamp() "
+            f"FROM {t} WHERE key LIKE %s"
+        )
+        #: The rows no running body holds (a shared lock: never waits, blocks no one long).
+        self.unheld = f"SELECT key FROM {t} WHERE key LIKE %s FOR SHARE SKIP LOCKED"
+        self._wait = "SELECT set_config('lock_timeout', %s, true)"
+        self._delete = f"DELETE FROM {t} WHERE key = %s"
+        self._delete_keys = f"DELETE FROM {t} WHERE key = ANY(%s)"
+
+    def forget_row(self, row: str, lock_timeout: float) -> list[tuple[str, tuple[Any, ...]]]:
+        """Delete one row, waiting at most ``lock_timeout`` for a running body's row lock
+        (then :meth:`lock_refused`); the last statement's count is the rows deleted."""
+        return [(self._wait, (f"{max(1, round(lock_timeout * 1000))}ms",)), (self._delete, (row,))]
+
+    def delete_keys(self, keys: Sequence[str]) -> list[tuple[str, tuple[Any, ...]]]:
+        """Delete rows this transaction locked already (by :attr:`free`): one statement."""
+        return [(self._delete_keys, (list(keys),))]
+
+    @staticmethod
+    def lock_refused(exc: BaseException) -> bool:
+        """Whether ``exc`` says a running body's row lock was not given up in time."""
+        return is_pg_error(exc, LOCK_NOT_AVAILABLE) or "lock timeout" in str(exc)

@@ -22,6 +22,7 @@ __all__ = [
     "SentinelClientFactory",
     "decodes_responses",
     "default_owner_id",
+    "describe_client",
     "glob_escape",
     "import_redis",
     "make_client",
@@ -286,3 +287,21 @@ def sentinel_factory_from_broker(
         sentinel_kwargs=options.get("sentinel_kwargs"),
         min_other_sentinels=int(options.get("min_other_sentinels") or 0),
     )
+
+
+def describe_client(client: Any) -> str:
+    """Where an ``idempotency_client`` points, for the output (no password)."""
+    pool: Any = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"sentinel master {service!r} (db {pool.connection_kwargs.get('db', 0)})"
+    if getattr(client, "nodes_manager", None) is not None:  # RedisCluster
+        names = sorted(node.name for node in client.get_primaries())
+        more = ", ..." if len(names) > 3 else ""
+        return f"cluster of {len(names)} primaries ({', '.join(names[:3])}{more})"
+    kwargs = getattr(pool, "connection_kwargs", {}) or {}
+    if kwargs.get("path"):
+        return f"unix://{kwargs['path']}?db={kwargs.get('db', 0)}"
+    if "host" in kwargs:
+        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return type(client).__name__

@@ -7,12 +7,17 @@ backend, idempotency store), ``MIG_PREFIX`` (every key of the session), ``MIG_QU
 default queue), ``MIG_BROKER_URL`` (another broker, optional). Bodies count their runs in
 Redis (``INCR``) and log when they ran (``RPUSH`` of ``start|end``), so a test sees how often
 and whether two ever overlapped.
+
+Most tasks differ only in their options and in what their one ``tag`` counts under: those are
+one row each, :func:`tagged` (the result ``{"tag", "run"}``) or :func:`counted` (the run);
+the others, whose bodies differ, are written out with :func:`task`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -86,37 +91,73 @@ def _body(parts: tuple[Any, ...], hold: float) -> int:
     return run
 
 
+def task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """The decorator of the idempotent task ``mig.<name>`` with ``options``."""
+    return app.task(base=IdempotentTask, shared=False, name=f"mig.{name}", **options)
+
+
+def _named(fn: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]:
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+def tagged(name: str, doc: str, counts: str | None = None, **options: Any) -> Any:
+    """The task ``mig.<name>(tag, hold=0.0)``: one run of the body counted under ``counts``
+    (the name when not given) and ``tag``; returns ``{"tag": tag, "run": n}``."""
+    what = counts or name
+
+    def run(tag: str, hold: float = 0.0) -> dict[str, Any]:
+        return {"tag": tag, "run": _body((what, tag), hold)}
+
+    return task(name, **options)(_named(run, name, doc))
+
+
+def counted(name: str, doc: str, *, hold: bool = True, **options: Any) -> Any:
+    """The task ``mig.<name>(tag, hold=0.0)`` (``mig.<name>(tag)`` when not ``hold``): one run
+    of the body counted under the name and ``tag``; returns the run's number."""
+    if hold:
+
+        def run(tag: str, hold: float = 0.0) -> int:
+            return _body((name, tag), hold)
+
+    else:
+
+        def run(tag: str) -> int:  # type: ignore[misc]
+            return _body((name, tag), 0.0)
+
+    return task(name, **options)(_named(run, name, doc))
+
+
 # --------------------------------------------------------------------------- celery-once
 
-
-@app.task(base=IdempotentTask, shared=False, name="mig.default")
-def default(tag: str, hold: float = 0.0) -> dict[str, Any]:
-    """No mapping: this library's defaults (results replayed for a day)."""
-    return {"tag": tag, "run": _body(("default", tag), hold)}
-
-
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.once",
+default = tagged("default", "No mapping: this library's defaults (results replayed for a day).")
+once = tagged(
+    "once",
+    "``base=QueueOnce``: not twice at the same time, again afterwards; AlreadyQueued.",
     idempotency_ttl=0,
     idempotency_on_duplicate_publish="raise",
 )
-def once(tag: str, hold: float = 0.0) -> dict[str, Any]:
-    """``base=QueueOnce``: not twice at the same time, again afterwards; AlreadyQueued."""
-    return {"tag": tag, "run": _body(("once", tag), hold)}
+graceful = tagged(
+    "graceful", '``once={"graceful": True}``: a duplicate publish is no error.', idempotency_ttl=0
+)
+unlock_before_run = tagged(
+    "unlock_before_run",
+    '``once={"unlock_before_run": True}``: one call running and at most one more queued.',
+    counts="ubr",
+    idempotency_ttl=0,
+    idempotency_publish_until="started",
+)
+started_remembers = tagged(
+    "started_remembers",
+    '``idempotency_publish_until="started"`` with the default ``idempotency_ttl``.',
+    counts="sr",
+    idempotency_publish_until="started",
+)
 
 
-@app.task(base=IdempotentTask, shared=False, name="mig.graceful", idempotency_ttl=0)
-def graceful(tag: str, hold: float = 0.0) -> dict[str, Any]:
-    """``once={"graceful": True}``: a duplicate publish is no error."""
-    return {"tag": tag, "run": _body(("graceful", tag), hold)}
-
-
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.keys_a",
+@task(
+    "keys_a",
     idempotency_key="a:{a}",
     idempotency_fingerprint=None,
     idempotency_ttl=0,
@@ -128,10 +169,8 @@ def keys_a(a: int, b: int, hold: float = 0.0) -> int:
     return a + b
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.keys_none",
+@task(
+    "keys_none",
     idempotency_key="the-only-one",
     idempotency_fingerprint=None,
     idempotency_ttl=0,
@@ -143,33 +182,8 @@ def keys_none(a: int, b: int, hold: float = 0.0) -> int:
     return a + b
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.unlock_before_run",
-    idempotency_ttl=0,
-    idempotency_publish_until="started",
-)
-def unlock_before_run(tag: str, hold: float = 0.0) -> dict[str, Any]:
-    """``once={"unlock_before_run": True}``: one call running and at most one more queued."""
-    return {"tag": tag, "run": _body(("ubr", tag), hold)}
-
-
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.started_remembers",
-    idempotency_publish_until="started",
-)
-def started_remembers(tag: str, hold: float = 0.0) -> dict[str, Any]:
-    """``idempotency_publish_until="started"`` with the default ``idempotency_ttl``."""
-    return {"tag": tag, "run": _body(("sr", tag), hold)}
-
-
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.retrying",
+@task(
+    "retrying",
     bind=True,
     max_retries=3,
     idempotency_ttl=0,
@@ -182,20 +196,14 @@ def retrying(self: Any, tag: str) -> str:
     return f"{tag} after {self.request.retries} retry"
 
 
-@app.task(base=IdempotentTask, shared=False, name="mig.fails", idempotency_ttl=0)
+@task("fails", idempotency_ttl=0)
 def fails(tag: str) -> None:
     """The lock clears when the task raises."""
     _body(("fails", tag), 0.0)
     raise ValueError(f"{tag} failed")
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.in_memory",
-    idempotency_url="memory://",
-    idempotency_ttl=0,
-)
+@task("in_memory", idempotency_url="memory://", idempotency_ttl=0)
 def in_memory(tag: str) -> str:
     """``celery_once.backends.File`` mapped to ``memory://``: no publish-side check."""
     _body(("in_memory", tag), 0.0)
@@ -205,17 +213,15 @@ def in_memory(tag: str) -> str:
 # --------------------------------------------------------------------------- celery-singleton
 
 
-@app.task(base=IdempotentTask, shared=False, name="mig.singleton", idempotency_ttl=0)
+@task("singleton", idempotency_ttl=0)
 def singleton(*args: Any, **kwargs: Any) -> str:
     """``base=Singleton``: one queued or running per name and arguments, again afterwards."""
     _body(("singleton", repr(args), repr(sorted(kwargs.items()))), float(kwargs.get("hold", 0)))
     return "I just woke up"
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.unique_on_user",
+@task(
+    "unique_on_user",
     idempotency_key="user:{username}",
     idempotency_fingerprint=None,
     idempotency_ttl=0,
@@ -226,10 +232,8 @@ def unique_on_user(username: str, otherarg: Any = None, hold: float = 0.0) -> st
     return f"{username} {otherarg}"
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.unique_on_defaults",
+@task(
+    "unique_on_defaults",
     idempotency_key="ab:{a}:{b}",
     idempotency_fingerprint=None,
     idempotency_ttl=0,
@@ -240,13 +244,8 @@ def unique_on_defaults(a: int, b: int = 5, c: Any = None) -> int:
     return a + b
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.unique_on_empty",
-    idempotency_key="name-only",
-    idempotency_fingerprint=None,
-    idempotency_ttl=0,
+@task(
+    "unique_on_empty", idempotency_key="name-only", idempotency_fingerprint=None, idempotency_ttl=0
 )
 def unique_on_empty(x: int) -> int:
     """``unique_on=[]``: the task name only."""
@@ -254,35 +253,26 @@ def unique_on_empty(x: int) -> int:
     return x
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.singleton_raise",
-    idempotency_ttl=0,
-    idempotency_on_duplicate_publish="raise",
-)
+@task("singleton_raise", idempotency_ttl=0, idempotency_on_duplicate_publish="raise")
 def singleton_raise(username: str, hold: float = 0.0) -> str:
     """``raise_on_duplicate=True``: ``DuplicateTaskError`` with ``.task_id``."""
     _body(("singleton_raise", username), hold)
     return username
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.time_frame",
+time_frame = counted(
+    "time_frame",
+    '``lock_expiry`` as "one call per time frame": ``idempotency_window``.',
+    hold=False,
     idempotency_window=FRAME,
     idempotency_ttl=FRAME * 3,
 )
-def time_frame(tag: str) -> int:
-    """``lock_expiry`` as "one call per time frame": ``idempotency_window``."""
-    return _body(("time_frame", tag), 0.0)
 
 
 # --------------------------------------------------------------------------- re-scheduling
 
 
-@app.task(base=IdempotentTask, shared=False, name="mig.resched_same", bind=True)
+@task("resched_same", bind=True)
 def resched_same(self: Any, tag: str) -> int:
     """Re-schedules itself with the same arguments (celery-singleton #53): swallowed."""
     run = _body(("resched_same", tag), 0.0)
@@ -291,13 +281,7 @@ def resched_same(self: Any, tag: str) -> int:
     return run
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.resched_step",
-    bind=True,
-    idempotency_key="poll:{tag}:{step}",
-)
+@task("resched_step", bind=True, idempotency_key="poll:{tag}:{step}")
 def resched_step(self: Any, tag: str, step: int = 0) -> int:
     """Re-schedules itself with the next step: each step a key of its own."""
     run = _body(("resched_step", tag), 0.0)
@@ -306,14 +290,7 @@ def resched_step(self: Any, tag: str, step: int = 0) -> int:
     return run
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.resched_started",
-    bind=True,
-    idempotency_ttl=0,
-    idempotency_publish_until="started",
-)
+@task("resched_started", bind=True, idempotency_ttl=0, idempotency_publish_until="started")
 def resched_started(self: Any, tag: str) -> int:
     """Re-schedules itself with the same arguments: its own claim ended its marker, so the
     call it publishes is the one more that may wait."""
@@ -323,13 +300,7 @@ def resched_started(self: Any, tag: str) -> int:
     return run
 
 
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.resched_slot",
-    bind=True,
-    idempotency_window=1.0,
-)
+@task("resched_slot", bind=True, idempotency_window=1.0)
 def resched_slot(self: Any, tag: str) -> int:
     """Re-schedules itself one window later, with the slot of when it is due."""
     run = _body(("resched_slot", tag), 0.0)
@@ -341,32 +312,21 @@ def resched_slot(self: Any, tag: str) -> int:
 
 # --------------------------------------------------------------------------- sidekiq-unique-jobs
 
-
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.while_executing",
+while_executing = counted(
+    "while_executing",
+    "``lock: :while_executing``: every push enqueued, never two running at once.",
     idempotency_ttl=0,
     idempotency_on_duplicate_publish="publish",
 )
-def while_executing(tag: str, hold: float = 0.0) -> int:
-    """``lock: :while_executing``: every push enqueued, never two running at once."""
-    return _body(("while_executing", tag), hold)
-
-
-@app.task(base=IdempotentTask, shared=False, name="mig.until_expired", idempotency_ttl=1.5)
-def until_expired(tag: str) -> int:
-    """``lock: :until_expired, lock_ttl: ...``: taken until its TTL, even after the run."""
-    return _body(("until_expired", tag), 0.0)
-
-
-@app.task(
-    base=IdempotentTask,
-    shared=False,
-    name="mig.reject_duplicate",
+until_expired = counted(
+    "until_expired",
+    "``lock: :until_expired, lock_ttl: ...``: taken until its TTL, even after the run.",
+    hold=False,
+    idempotency_ttl=1.5,
+)
+reject_duplicate = counted(
+    "reject_duplicate",
+    "``on_conflict: :reject`` (server side): a duplicate delivery goes to the dead set.",
     idempotency_ttl=0,
     idempotency_on_locked="reject",
 )
-def reject_duplicate(tag: str, hold: float = 0.0) -> int:
-    """``on_conflict: :reject`` (server side): a duplicate delivery goes to the dead set."""
-    return _body(("reject_duplicate", tag), hold)
