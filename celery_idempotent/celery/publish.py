@@ -336,12 +336,13 @@ def _plan_publish(
     if cfg.idempotency_publish_until == "started" and not isinstance(
         guard.store, ChecksPublishesUntil
     ):
-        # Only a store with that capability ends a call's marker when its delivery claims
-        # the key (today the Redis store).
+        # Only a store with that capability ends a call's marker as its delivery starts
+        # (the Redis store, the SQL backends' marker table).
         raise ValueError(
             f"idempotency_publish_until='started' of task {task.name} needs a store whose "
             f"publish side ends a call's queued marker when it starts (ChecksPublishesUntil: "
-            f"a Redis idempotency_url); its store is a {type(guard.store).__name__}"
+            f"a Redis, PostgreSQL or MySQL/MariaDB idempotency_url); its store is a "
+            f"{type(guard.store).__name__}"
         )
     store = publish_checker(guard.store)
     if store is None:  # the run-time guard decides alone
