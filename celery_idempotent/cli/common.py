@@ -166,11 +166,6 @@ def connect(
                 f"must be a non-empty string without braces, got {prefix!r}", param_hint="--prefix"
             )
         cfg = dataclasses.replace(cfg, idempotency_key_prefix=prefix)
-    if cfg.in_memory:
-        raise click.UsageError(
-            "idempotency_url is memory://: its keys live inside each worker process, where "
-            "this command cannot see them (pass --url redis://...)"
-        )
     try:
         admin = admin_for(
             cfg,
@@ -239,13 +234,19 @@ def iso(at: float | None) -> str:
 
 
 def redis_errors(fn: F) -> F:
-    """Report an unreachable or failing Redis as a one-line error (exit status 1)."""
+    """Report an unreachable or failing Redis as a one-line error (exit status 1), and an
+    admin that cannot reach the keys at all (``memory://``: they live in each worker process)
+    as a usage error (exit status 2)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         redis_mod = redis_client.import_redis()
         try:
             return fn(*args, **kwargs)
+        except NotImplementedError as exc:
+            raise click.UsageError(
+                f"{exc}, where this command cannot see them (pass --url redis://...)"
+            ) from exc
         except (redis_mod.exceptions.RedisError, IdempotencyError, OSError) as exc:
             raise click.ClickException(f"Redis failed: {exc}") from exc
 

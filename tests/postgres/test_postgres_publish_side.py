@@ -29,8 +29,11 @@ from tests.support.sql_publish_side import (  # noqa: F401 - collected here agai
 
 @pytest.fixture
 def sqlpub(pg_backend: Any) -> SqlPublish:
-    # BEGIN, the statement, COMMIT: one pipeline flight; a check never waits lock_timeout.
-    return SqlPublish(pg_backend, quick=pg_backend.lock_timeout, flight=3, claims_marker=True)
+    # BEGIN, the statement, COMMIT: one pipeline flight. A check never waits for the running
+    # body's row lock: one that did would answer "publish unchecked" after lock_timeout (0.1 s),
+    # which the decision asserted rules out; the time bound only says it did not hang (0.1 s
+    # was missed by 0.05 s on a loaded host).
+    return SqlPublish(pg_backend, quick=1.0, flight=3, claims_marker=True)
 
 
 def test_a_body_that_ends_without_committing_frees_its_key(pg_backend: Any) -> None:

@@ -257,10 +257,13 @@ def test_tokens_increase_across_lease_expiry_and_record_expiry(
 
 
 def plant_ahead_lease(client: redis.Redis, resource: str, ahead_us: int, lease_ms: int) -> Lease:
-    """A lease as a claim leaves it while the server clock read ``ahead_us`` later than now."""
-    fence = server_us(client) + ahead_us
+    """A lease as a claim leaves it while the server clock read ``ahead_us`` later than now:
+    its token ahead, its deadline ``lease_ms`` from now (a lock's value is
+    ``<deadline ms>/<lease token>``: ``keyspace.lock_entry``)."""
+    now_us = server_us(client)
+    fence = now_us + ahead_us
     token = keyspace.lock_value(fence, "planted@clock-ahead")
-    client.set(resource, token, px=lease_ms)
+    client.set(resource, keyspace.lock_entry(now_us // 1000 + lease_ms, token), px=lease_ms)
     return Lease(resource, token, fence)
 
 

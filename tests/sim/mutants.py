@@ -92,10 +92,10 @@ MUTANTS = [
             ),
             # v2: "if get ~= token then return 0 end; del; ..."
             (r"if redis\.call\('get', KEYS\[1\]\) ~= ARGV\[1\] then return 0 end", ""),
-            # v2 with tombstones: "if not v then return 0 end ... if not live then return 0 end"
+            # v2 with tombstones: "if not held then return 0 end ... if not live then return 0 end"
             (
-                r"if not v then return 0 end(.*)if not live then return 0 end",
-                r"if not v then return 0 end\1live = true",
+                r"if not held then return 0 end(.*)if not live then return 0 end",
+                r"if not held then return 0 end\1live = true",
             ),
             only="RELEASE",
         ),
@@ -141,7 +141,8 @@ MUTANTS += [
         "the next fencing token",
         script_edit=_sub(
             (
-                r"(local f = tonumber\(ARGV\[2\]\)\n)\nredis\.call\('set', KEYS\[1\][^\n]*\n",
+                r"(local f = tonumber\(ARGV\[2\]\)\n--\[\[ shared: tombstone \]\]\n)"
+                r"redis\.call\('set', KEYS\[1\][^\n]*\n",
                 r"\1redis.call('del', KEYS[1])\n",
             ),
             only="RELEASE",
@@ -170,7 +171,7 @@ MUTANTS += [
         script_edit=_sub(
             (
                 r"if head == '([^']*)' then return \{2, rec[^}]*\} end",
-                r"if head == '\1' then redis.call('set', KEYS[1], 'q|' .. ARGV[1] .. '|' .. "
+                r"if head == '\1' then redis.call('set', KEYS[2], 'q|' .. ARGV[1] .. '|' .. "
                 r"ARGV[2], 'PX', ARGV[3]) return {1} end",
             ),
             only="PUBLISH",
@@ -182,10 +183,10 @@ MUTANTS += [
         "PUBLISH sets its own marker over another call's queued marker",
         script_edit=_sub(
             (
-                r"local got = redis\.call\('mget', KEYS\[1\], KEYS\[2\]\)\nlocal rec, held = "
+                r"local got = redis\.call\('mget', KEYS\[1\], KEYS\[2\]\)\nlocal held, rec = "
                 r"got\[1\], got\[2\]",
                 "local got = redis.call('mget', KEYS[1], KEYS[2])\n"
-                "local rec, held = got[1], got[2]\n"
+                "local held, rec = got[1], got[2]\n"
                 "if rec and string.sub(rec, 1, 2) == 'q|' then rec = nil end",
             ),
             only="PUBLISH",

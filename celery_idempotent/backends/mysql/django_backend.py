@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_idempotent.backends.mysql.backend import MySQLBackend
-from celery_idempotent.backends.mysql.sql import FENCED, LOCK_ERRORS, ddl, error_code
+from celery_idempotent.backends.mysql.sql import FENCED, LOCK_ERRORS, check_server, ddl, error_code
 from celery_idempotent.backends.sql.backend import Statement
 from celery_idempotent.backends.sql.connections import Transaction
 from celery_idempotent.backends.sql.django_backend import DjangoSQLBackend
+from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
 __all__ = ["DjangoMySQLBackend"]
 
@@ -81,6 +82,10 @@ class DjangoMySQLBackend(DjangoSQLBackend, MySQLBackend):
         return int(ident()) if callable(ident) else None
 
     def _django_ensure_table(self, conn: Any) -> None:
+        # Django's own version check (at connect) read and cached the server's version.
+        refused = check_server(str(conn.mysql_server_info))
+        if refused is not None:
+            raise IdempotencyConnectionError(None, f"django://{self.alias}: {refused}")
         with conn.cursor() as cur:
             exists = self._table_exists(cur)
         if not exists:

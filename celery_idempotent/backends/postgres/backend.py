@@ -24,12 +24,13 @@ from celery_idempotent.backends.postgres.sql import (
     INVALID_TEXT_REPRESENTATION,
     LOCK_NOT_AVAILABLE,
     PUBLISH_PARAMS,
+    STARTED_PARAMS,
     Statements,
     is_pg_error,
     quote_table,
     record_columns,
 )
-from celery_idempotent.backends.sql.backend import SQLBackend, Statement
+from celery_idempotent.backends.sql.backend import SQLBackend, Statement, statements_of
 from celery_idempotent.core.protocols import IdempotencyRecord
 
 __all__ = ["PostgresBackend"]
@@ -149,6 +150,24 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
         result: list[Any] = self.autocommit([(self.sql.publish, params)])[0]
         return result
 
+    def _started_statement(self, values: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+        """:attr:`Statements.publish_started` in a transaction of its own (committed without
+        waiting for the WAL flush): (a live record, the queued slot's task id, its
+        fingerprint, its seconds left)."""
+        every = {**values, "sync": "off"}
+        params = tuple(every[name] for name in STARTED_PARAMS)
+        rows = self.autocommit([(self.sql.publish_started, params)])[0]
+        completed, first, stored_fp, left = rows[0]
+        return bool(completed), first, stored_fp, left
+
+    def _create_markers(self) -> None:
+        """Run the marker table's DDL (under the advisory lock of the table's DDL)."""
+        from celery_idempotent.backends.postgres.sql import markers_ddl  # noqa: PLC0415
+
+        statements: list[Statement] = [(self.sql.ddl_lock, ("celery_idempotent:" + self.table,))]
+        statements += [(each, ()) for each in statements_of(markers_ddl(self.table))]
+        self.autocommit(statements)
+
     # -- atomic backend ---------------------------------------------------------------------------
 
     def _commit_statements(self, tx: Transaction, params: Sequence[Any]) -> list[Statement]:
@@ -180,4 +199,7 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
         """Delete at most ``limit`` (``cleanup_batch``) expired rows, oldest first, skipping
         rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
         n = self.cleanup_batch if limit is None else limit
-        return int(self.autocommit([(self.sql.cleanup, (n,))])[0])
+        statements: list[Statement] = [(self.sql.cleanup, (n,))]
+        if self.markers_ready(create=False):
+            statements.append((self.sql.cleanup_markers, (n,)))
+        return sum(int(each) for each in self.autocommit(statements))

@@ -2,9 +2,11 @@
 
 The names themselves (``<prefix>{<key>}``, ``<prefix>lock:{<key>}``) are every backend's, in
 ``celery_idempotent.core.names``; this module adds what only Redis has: the fence key, the
-lock's value and the fencing bound, and (re-exported from ``layout``, where they are encoded)
-the record's and the queued marker's formats, so that the Lua scripts in ``scripts``,
-``publish_scripts`` and ``admin_scripts`` take every format from one module.
+lock's value (:data:`LOCK_SEP` between its fields) and the fencing bound, and re-exports the
+record's and the queued marker's formats from ``layout``, where they are encoded (with
+``layout.RECORD_SEP``). The Lua scripts (``scripts``, ``publish_scripts``, ``admin_scripts``)
+spell these formats in their text, each whole; ``tests/unit/test_redis_scripts.py`` checks that
+the separators, heads and field names they spell are the ones defined here and in ``layout``.
 
 Redis names (layout v2, unchanged from v1)
 ------------------------------------------
@@ -83,8 +85,8 @@ from celery_idempotent.backends.redis.layout import (
     QUEUED_HEAD,
     RECORD_FIELDS,
     RECORD_HEAD,
+    RECORD_SEP,
     RECORD_VERSION,
-    SEP,
     V1_RECORD_FIELDS,
     V1_VERSION,
     DecodedRecord,
@@ -124,8 +126,8 @@ __all__ = [
     "QUEUED_HEAD",
     "RECORD_FIELDS",
     "RECORD_HEAD",
+    "RECORD_SEP",
     "RECORD_VERSION",
-    "SEP",
     "SHORTENED_MARK",
     "V1_RECORD_FIELDS",
     "V1_VERSION",

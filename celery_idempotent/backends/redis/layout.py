@@ -1,7 +1,8 @@
 """The record of layout v2 and its neighbours under the record's name: how each is spelled.
 
-``celery_idempotent.backends.redis.keyspace`` owns the Redis names and re-exports these; the Lua
-scripts take the record heads and the v1 field list from here.
+``celery_idempotent.backends.redis.keyspace`` owns the Redis names and re-exports these. The Lua
+scripts spell the record heads, :data:`RECORD_SEP` and the v1 field list in their text;
+``tests/unit/test_redis_scripts.py`` checks them against the constants here.
 
 The record (layout v2)
 ----------------------
@@ -58,8 +59,8 @@ __all__ = [
     "QUEUED_HEAD",
     "RECORD_FIELDS",
     "RECORD_HEAD",
+    "RECORD_SEP",
     "RECORD_VERSION",
-    "SEP",
     "V1_RECORD_FIELDS",
     "V1_VERSION",
     "DecodedRecord",
@@ -80,10 +81,10 @@ __all__ = [
 RECORD_VERSION = "2"
 #: The record's fields, in their order in the string; the payload is last.
 RECORD_FIELDS = ("version", "fence", "at", "serializer", "fingerprint", "task_id", "data")
-SEP = "|"
-_SEP_B = SEP.encode()
+RECORD_SEP = "|"
+_RECORD_SEP_B = RECORD_SEP.encode()
 #: A completed v2 record starts with this; the scripts test it.
-RECORD_HEAD = RECORD_VERSION + SEP
+RECORD_HEAD = RECORD_VERSION + RECORD_SEP
 #: Layout v1 (0.1.0): a hash with these fields (v: "1"; ct, enc: content type and encoding;
 #: data; fp: fingerprint; at: created at; fence: fencing token).
 V1_RECORD_FIELDS = ("v", "ct", "enc", "data", "fp", "at", "fence")
@@ -91,7 +92,7 @@ V1_VERSION = "1"
 
 
 def lua_list(names: tuple[str, ...]) -> str:
-    """``'a', 'b'``: names as Lua string literals, for the scripts."""
+    """``'a', 'b'``: names as Lua string literals, as the scripts spell a field list."""
     return ", ".join("'" + name + "'" for name in names)
 
 
@@ -112,8 +113,8 @@ class DecodedRecord(NamedTuple):
 def _clean(value: str | None, what: str) -> str:
     if value is None:
         return ""
-    if SEP in value:
-        raise ValueError(f"{what} must not contain {SEP!r}: {value!r}")
+    if RECORD_SEP in value:
+        raise ValueError(f"{what} must not contain {RECORD_SEP!r}: {value!r}")
     return value
 
 
@@ -135,7 +136,7 @@ def encode_record(
 ) -> bytes:
     """The v2 record string stored under ``name`` (see the module docstring). A task id
     holding ``|`` is dropped."""
-    tid = "" if task_id is None or SEP in task_id else task_id
+    tid = "" if task_id is None or RECORD_SEP in task_id else task_id
     stamp = float(created_at)
     micros = round(stamp * 1_000_000)
     if micros / 1_000_000 == stamp:  # a whole number of µs (the guard stamps those)
@@ -145,7 +146,7 @@ def encode_record(
     fp = _clean(fingerprint, "fingerprint")
     if fp and name.endswith(fp + "}"):
         fp = f"={len(fp)}"
-    head = SEP.join(
+    head = RECORD_SEP.join(
         (
             RECORD_VERSION,
             "" if fencing_token is None else str(int(fencing_token)),
@@ -161,13 +162,13 @@ def encode_record(
 
 def record_head(fencing_token: int) -> str:
     """How a v2 record committed under ``fencing_token`` starts (a resent commit finds it)."""
-    return f"{RECORD_HEAD}{int(fencing_token)}{SEP}"
+    return f"{RECORD_HEAD}{int(fencing_token)}{RECORD_SEP}"
 
 
 def decode_record(value: bytes, name: str | None = None) -> DecodedRecord:
     """The fields of a v2 record string stored under ``name`` (needed only to spell out a
     fingerprint abbreviated as ``=<length>``); ``ValueError`` when it is not one."""
-    parts = value.split(_SEP_B, len(RECORD_FIELDS) - 1)
+    parts = value.split(_RECORD_SEP_B, len(RECORD_FIELDS) - 1)
     if len(parts) != len(RECORD_FIELDS) or parts[0] != RECORD_VERSION.encode():
         raise ValueError("not a layout-v2 record")
     _, fence_b, at_b, ser, fp_b, tid, data = parts
@@ -197,12 +198,12 @@ def decode_record(value: bytes, name: str | None = None) -> DecodedRecord:
 
 
 #: A queued marker starts with this; the scripts test it.
-QUEUED_HEAD = "q" + SEP
+QUEUED_HEAD = "q" + RECORD_SEP
 
 
 def can_mark(task_id: str) -> bool:
     """Whether a queued marker can name ``task_id`` (it must not contain the separator)."""
-    return bool(task_id) and SEP not in task_id
+    return bool(task_id) and RECORD_SEP not in task_id
 
 
 #: A queued marker's state: published, no delivery claimed it yet.
@@ -244,7 +245,8 @@ def queued_value(
     if state not in MARKER_STATES:
         raise ValueError(f"a queued marker's state is one of {MARKER_STATES}, got {state!r}")
     fp = _clean(fingerprint, "fingerprint")
-    return f"{QUEUED_HEAD}{task_id}{SEP}{fp}{SEP}{int(published_ms or 0)}{SEP}{state}"
+    fields = (task_id, fp, str(int(published_ms or 0)), state)
+    return QUEUED_HEAD + RECORD_SEP.join(fields)
 
 
 def parse_marker(value: bytes | str) -> Marker | None:
@@ -256,8 +258,8 @@ def parse_marker(value: bytes | str) -> Marker | None:
     text = value
     if not text.startswith(QUEUED_HEAD):
         return None
-    task_id, _, rest = text[len(QUEUED_HEAD) :].partition(SEP)
-    fields = rest.split(SEP)
+    task_id, _, rest = text[len(QUEUED_HEAD) :].partition(RECORD_SEP)
+    fields = rest.split(RECORD_SEP)
     fingerprint = fields[0] or None
     if len(fields) >= 3 and fields[-1] in MARKER_STATES:
         published = int(fields[1]) if fields[1].isdigit() and int(fields[1]) > 0 else None

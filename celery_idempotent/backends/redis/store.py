@@ -21,6 +21,8 @@ from celery_idempotent.backends.redis import lean as redis_lean
 from celery_idempotent.backends.redis import publish_scripts as redis_publish_scripts
 from celery_idempotent.backends.redis import scripts as redis_scripts
 from celery_idempotent.backends.redis.locks import RedisLockProvider
+from celery_idempotent.backends.redis.publish_scripts import PublishReply
+from celery_idempotent.backends.redis.scripts import ClaimReply
 from celery_idempotent.core.codec import ResultCodec, serializer_info
 from celery_idempotent.core.exceptions import (
     IdempotencyBackendError,
@@ -297,15 +299,15 @@ class RedisIdempotencyStore:
         ]
         with redis_errors.translate_errors(record, "publish check"):
             if push is None:
-                reply = self.run_script(self._publish, [record, lock], args)
+                reply = self.run_script(self._publish, [lock, record], args)
             else:
                 reply = self.run_script(
-                    self._publish_and_push, [record, lock, push[0]], [*args, push[1]]
+                    self._publish_and_push, [lock, record, push[0]], [*args, push[1]]
                 )
         status = int(reply[0])
-        if status == 1:
+        if status == PublishReply.PUBLISH:
             return PublishDecision("publish")
-        if status == 2:
+        if status == PublishReply.COMPLETED:
             stored = self.decode(record, reply[1])
             return PublishDecision(
                 "completed",
@@ -315,14 +317,14 @@ class RedisIdempotencyStore:
                 state=KeyState.COMPLETED,
                 ttl_left=_seconds_left(reply[2]),
             )
-        if status == 3:
+        if status == PublishReply.COMPLETED_V1:
             stored = self.decode_v1(record, reply[1:])
             return PublishDecision(
                 "completed", None, stored, stored.fingerprint, state=KeyState.COMPLETED
             )
-        if status == 5:
+        if status == PublishReply.MISMATCH:
             return PublishDecision("mismatch", _text(reply[1]), None, _text(reply[2]))
-        if status == 6:
+        if status == PublishReply.QUEUED:
             # A running call's marker lives as long as its lease (renewed): no time is known.
             running = bool(int(reply[2]))
             return PublishDecision(
@@ -331,6 +333,8 @@ class RedisIdempotencyStore:
                 state=KeyState.RUNNING if running else KeyState.QUEUED,
                 ttl_left=None if running else _seconds_left(reply[3]),
             )
+        if status != PublishReply.UNCHECKED:
+            raise IdempotencyBackendError(record, f"the publish check replied {reply!r}")
         return PublishDecision("publish", unchecked=True)
 
     def check_publish_until(
@@ -358,7 +362,7 @@ class RedisIdempotencyStore:
         """Delete ``task_id``'s queued marker under ``record``; ``False`` when it is not there
         (committed since, expired, or another call's). With ``lock`` (the key's lock name), a
         marker that a delivery claimed is kept while that delivery's lease is valid."""
-        keys = [record] if lock is None else [record, lock]
+        keys = [record] if lock is None else [lock, record]
         with redis_errors.translate_errors(record, "queued marker delete"):
             return bool(self.run_script(self._drop_queued, keys, [task_id]))
 
@@ -430,10 +434,10 @@ class RedisAtomicBackend:
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""
-        token = redis_client.new_token(self.locks.owner_id)
+        ends = _claim_ends.get()
+        token = redis_client.new_token(self.locks.owner_id, ends or None)
         keys = [resource, key, keyspace.fence_name(resource)]
         args: list[Any] = [token, redis_client.ms(ttl)]
-        ends = _claim_ends.get()
         if ends:
             args.append(ends)
         acked: Any = None
@@ -446,7 +450,7 @@ class RedisAtomicBackend:
             except UnicodeDecodeError as exc:  # only a found record carries a payload
                 raise RecordDecodeError(key, None, f"undecodable record: {exc}") from exc
         status = int(reply[0])
-        if status == 1:
+        if status == ClaimReply.TAKEN:
             fence = int(reply[1])
             lease = Lease(resource, keyspace.lock_value(fence, token), fence)
             if acked is not None and int(acked) < self.store.wait_replicas:
@@ -457,16 +461,18 @@ class RedisAtomicBackend:
                     self.locks.release(lease, unused=True)
                 self.store.check_replicated(key, acked, "claim")
             return Claim(lease, None)
-        if status == 2:
+        if status == ClaimReply.RECORD:
             return Claim(None, self.store.decode(key, reply[1]))
-        if status == 3:
+        if status == ClaimReply.V1_RECORD:
             return Claim(None, self.store.decode_v1(key, reply[1:]))
-        if status == 4:
+        if status == ClaimReply.FOREIGN:
             raise IdempotencyBackendError(
                 key,
                 f"the record's name {key!r} holds a value that is not a celery-idempotent "
                 "record (WRONGTYPE for layout v2); it was left alone and nothing ran",
             )
+        if status != ClaimReply.HELD:
+            raise IdempotencyBackendError(key, f"the claim replied {reply!r}")
         return Claim(None, None)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
