@@ -339,7 +339,7 @@ def _handed_on(
     if is_failure_envelope(outcome.value):
         if failed is not None and not outcome.replayed:
             raise failed
-        stored = failure_from(task, outcome.value)
+        stored = failure_from(task, outcome.value, cfg.idempotency_store_errors)
         log.info(
             "replayed stored failure %s for %s[%s] key=%s",
             type(stored).__name__,

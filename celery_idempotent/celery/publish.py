@@ -79,6 +79,8 @@ class _Check(NamedTuple):
     publish_ttl: float
     policy: str
     until: str = "completed"
+    #: ``idempotency_store_errors`` of the call (a stored failure is rebuilt from it).
+    store_errors: tuple[type[BaseException], ...] = ()
 
 
 class _PublishPlan(NamedTuple):
@@ -358,6 +360,7 @@ def _plan_publish(
         cfg.idempotency_publish_ttl + _delay_of(options),
         policy,
         cfg.idempotency_publish_until,
+        cfg.idempotency_store_errors,
     )
     return _PublishPlan(task_id=task_id, check=check)
 
@@ -413,7 +416,9 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
         raise IdempotencyBackendError(key, "a completed key without its record")
     result_id = first or uuid()
     if is_failure_envelope(record.result):
-        return EagerResult(result_id, failure_from(task, record.result), states.FAILURE)
+        return EagerResult(
+            result_id, failure_from(task, record.result, check.store_errors), states.FAILURE
+        )
     return EagerResult(result_id, record.result, states.SUCCESS)
 
 

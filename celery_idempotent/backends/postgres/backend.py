@@ -95,14 +95,15 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
         ]
 
     def _claim_begin(
-        self, row: str, statements: Sequence[Statement], lock_only: bool
+        self, row: str, statements: Sequence[Statement], lock_only: bool, ttl: float = 0.0
     ) -> tuple[Transaction, list[Any]]:
         if lock_only or not self.checks_publishes():
             return self._begin(row, statements)
-        # The key's queued marker becomes "claimed", committed first (same flight): if this
-        # delivery's transaction dies, the row is left claimed and unlocked, which the
-        # publish check reads as free (SPEC §8: a killed body frees its key).
-        marker = [(self.sql.claim_marker, (row,))]
+        # The key's queued marker becomes "claimed" for the lease's ttl, committed first
+        # (same flight): if this delivery's transaction dies, the row is left claimed and
+        # unlocked, which holds the key until that ttl has run out (SPEC §8: a killed body
+        # frees its key within lock_ttl) and no longer.
+        marker = [(self.sql.claim_marker, (ttl, row))]
         return self._begin_after(marker, row, statements)
 
     def _claim_result(
@@ -120,6 +121,10 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
             (self.sql.insert, (row,)),
             (self.sql.probe, (row,)),
         ]
+
+    def _probe_held(self, results: Sequence[Any]) -> bool:
+        probed = results[2]  # the probe's row: a claimed marker within its lease?
+        return bool(probed and probed[0][0])
 
     # -- store ----------------------------------------------------------------------------------
 

@@ -187,7 +187,12 @@ class Statements:
             "AND expires_at > statement_timestamp()"
         )
         self.delete_any = f"DELETE FROM {t} WHERE key = %s"
-        self.probe = f"SELECT 1 FROM {t} WHERE key = %s FOR UPDATE NOWAIT"
+        # Whether a transaction holds the row (55P03) or, unlocked, the row is a claimed
+        # marker whose lease has not run out (see claim_marker): the key is held either way.
+        self.probe = (
+            f"SELECT state = 'claimed' AND expires_at > statement_timestamp() FROM {t} "
+            "WHERE key = %s FOR UPDATE NOWAIT"
+        )
         self.cleanup = (
             f"DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} "
             "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
@@ -224,7 +229,8 @@ class Statements:
             "WHEN NOT EXISTS (SELECT 1 FROM seen) THEN 'mark' "
             "WHEN (SELECT live AND state = 'completed' FROM seen) THEN 'completed' "
             "WHEN (SELECT live AND state = 'queued' FROM seen) "
-            "OR ((SELECT state = 'claimed' FROM seen) AND NOT EXISTS (SELECT 1 FROM free)) "
+            "OR ((SELECT state = 'claimed' FROM seen) "
+            "AND (NOT EXISTS (SELECT 1 FROM free) OR (SELECT live FROM seen))) "
             "THEN CASE WHEN "
             "(SELECT result FROM seen) = convert_to(%s, 'UTF8') THEN 'own' ELSE 'queued' END "
             "WHEN NOT EXISTS (SELECT 1 FROM free) THEN 'running' "
@@ -237,7 +243,7 @@ class Statements:
             "ON CONFLICT (key) DO UPDATE SET state = 'queued', fingerprint = EXCLUDED.fingerprint, "
             "content_type = NULL, content_encoding = NULL, result = EXCLUDED.result, "
             "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at "
-            "WHERE NOT (r.state IN ('completed', 'queued') "
+            "WHERE NOT (r.state IN ('completed', 'queued', 'claimed') "
             "AND r.expires_at > statement_timestamp()) RETURNING 1) "
             "SELECT (SELECT d FROM decide), (SELECT count(*) FROM put), "
             "s.state, s.fingerprint, s.content_type, s.content_encoding, s.result, "
@@ -267,9 +273,16 @@ class Statements:
             "FOR UPDATE SKIP LOCKED)"
         )
         # Before a claim's BEGIN, in the same flight and committed on its own: the marker is
-        # claimed. Never waits (a row another delivery holds is left alone).
+        # claimed, for the lease's ttl. Never waits (a row another delivery holds is left
+        # alone). Until the claim's transaction locks the row (the next statements of the
+        # flight, which a killed client's server still runs) and after that transaction died
+        # with its client, the row is claimed and unlocked: it holds the key until its
+        # expiry, so a key frees "within lock_ttl" as on Redis, never for a moment in between
+        # (a status read there said "absent" and the publish just after found the row locked).
         self.claim_marker = (
-            f"UPDATE {t} SET state = 'claimed' WHERE key = (SELECT key FROM {t} WHERE key = %s "
+            f"UPDATE {t} SET state = 'claimed', "
+            "expires_at = statement_timestamp() + make_interval(secs => %s) "
+            f"WHERE key = (SELECT key FROM {t} WHERE key = %s "
             "AND state = 'queued' AND expires_at > statement_timestamp() "
             "FOR UPDATE SKIP LOCKED)"
         )

@@ -182,9 +182,9 @@ class SQLBackend:
         raise NotImplementedError
 
     def _claim_begin(
-        self, row: str, statements: Sequence[Statement], lock_only: bool
+        self, row: str, statements: Sequence[Statement], lock_only: bool, ttl: float = 0.0
     ) -> tuple[Transaction, list[Any]]:
-        """Open the claim's transaction with its ``statements``."""
+        """Open the claim's transaction with its ``statements`` (``ttl``: the lease's)."""
         return self._begin(row, statements)
 
     def _claim_result(
@@ -198,6 +198,11 @@ class SQLBackend:
         """The statements of :meth:`is_locked`: a lock error when a transaction holds
         ``row``."""
         raise NotImplementedError
+
+    def _probe_held(self, results: Sequence[Any]) -> bool:
+        """From :meth:`_probe_statements`' results (no lock error): whether the unlocked row
+        still holds the key (PostgreSQL: a claimed marker within its lease)."""
+        return False
 
     def _waiting(self, statement: Statement) -> list[Statement]:
         """``statement`` waiting at most ``lock_timeout`` for a row's lock: the wait set
@@ -256,10 +261,10 @@ class SQLBackend:
             return resource[: at - 5] + resource[at:]
         return resource
 
-    def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+    def _claim(self, resource: str, row: str, lock_only: bool, ttl: float = 0.0) -> Claim:
         statements = self._claim_statements(row, lock_only)
         try:
-            tx, results = self._claim_begin(row, statements, lock_only)
+            tx, results = self._claim_begin(row, statements, lock_only, ttl)
         except Exception as exc:
             if self._is_lock_error(exc):
                 return Claim(None, None)  # held (or a deadlock, rolled back): one failed attempt
@@ -301,16 +306,18 @@ class SQLBackend:
         return alive
 
     def is_locked(self, resource: str) -> bool:
-        """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
+        """Whether a transaction holds ``resource``'s row (or is inserting it) now, or the
+        unlocked row still holds the key (PostgreSQL: a claimed marker within its lease, a
+        delivery's claim in flight or one whose transaction died with its client)."""
         row = self._lock_row(resource)
         try:
-            tx, _ = self._begin(row, self._probe_statements(row))
+            tx, results = self._begin(row, self._probe_statements(row))
         except Exception as exc:
             if self._is_lock_error(exc):
                 return True
             raise
         self._rollback(tx)
-        return False
+        return self._probe_held(results)
 
     def clear(self) -> None:
         """Roll back this process's open transactions and delete every row of the table."""
@@ -652,8 +659,8 @@ class SQLBackend:
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """Lock ``key``'s row in a new transaction, unless it holds an unexpired record (then
         that record, no lease); ``Claim(None, None)`` when held past ``lock_timeout``."""
-        check_duration("ttl", ttl)
-        return self._claim(resource, self._row(key), lock_only=False)
+        ttl = check_duration("ttl", ttl)
+        return self._claim(resource, self._row(key), lock_only=False, ttl=ttl)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         """Write the record into the lease's transaction and COMMIT it (with the body's
