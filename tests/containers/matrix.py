@@ -22,7 +22,8 @@ asserts that the backend refuses that server at first use with an error naming t
 
 ``python -m tests.containers matrix`` runs every cell and prints the tables (``--cell
 sql:mariadb-10.11`` for one SQL cell); ``pytest -m matrix`` (``tests/containers/test_matrix.py``)
-runs each cell as a test.
+runs each Python x server cell as a test, ``pytest -m sql_matrix`` (``test_sql_matrix.py``)
+each SQL cell.
 """
 
 from __future__ import annotations
@@ -265,7 +266,11 @@ def _sql_ready(dialect: str, url: str) -> str | None:
                 conn.close()
     except Exception:
         return None
-    return str(row[0]) if row else None
+    if not row:
+        return None
+    value = row[0]
+    # psycopg may hand back bytes when no text loader applies (an untyped result, seen here)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def run_sql_cell(server: str, *, root: Path = ROOT, timeout: float = 900) -> CellResult:
