@@ -151,9 +151,10 @@ class IdempotencySettings:
     #: how long a published call stops a duplicate publish: ``"completed"`` (while it is
     #: queued, running or completed) or ``"started"`` (only while it is queued: its delivery's
     #: claim ends its marker, so one call may run while one more waits; a publish after it
-    #: completed goes through, and the worker replays it while the record lives). Redis
-    #: publish side only; with ``idempotency_ttl=0`` it is celery-once's
-    #: ``unlock_before_run``.
+    #: completed goes through, and the worker replays it while the record lives). Every
+    #: backend with a publish side: Redis, PostgreSQL and MySQL/MariaDB (their marker table
+    #: ``<table>_markers``, created at first use); with ``idempotency_ttl=0`` it is
+    #: celery-once's ``unlock_before_run``.
     idempotency_publish_until: str = setting("completed", one_of(PUBLISH_UNTIL))
     #: schedule slot in seconds (or a ``timedelta``): the key gets the publish time rounded to
     #: the nearest multiple of it, so that a periodic task runs once per slot however many

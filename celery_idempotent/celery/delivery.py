@@ -121,7 +121,14 @@ def run(
     elif started_ends and apart(guard):
         # A lock and store that claim apart: the marker ends as the body starts.
         body.on_start = lambda: drop_queued_marker(task, guard, prepared.key)
+    slots = _started_slots(guard) if started_ends else None
+    if slots is not None:
+        # The SQL backends: the body's transaction holds the key's row, which no publish
+        # waits for; the marker table's queued slot ends (and the running slot names this
+        # call) in a statement of its own as the body starts, before it runs.
+        body.on_start = lambda: _start_slots(task, cfg, guard, prepared.key, slots)
     token = _running.set(_Running(guard, task.name, task.request.id, prepared.key, cfg))
+    outcome = None
     try:
         with claims:
             outcome = _outcome(task, cfg, guard, prepared, body, args=args, kwargs=kwargs)
@@ -140,11 +147,53 @@ def run(
         raise
     finally:
         _running.reset(token)
+        if slots is not None and (body.started or (outcome is not None and outcome.replayed)):
+            _end_slots(task, guard, prepared.key, slots)
     if not cfg.idempotency_ttl and not outcome.replayed and apart(guard):
         # idempotency_ttl=0 through a lock and store that commit apart: no record replaced
         # the queued marker, and no script ended it with the lease: end it here.
         drop_queued_marker(task, guard, prepared.key)
     return _handed_on(task, cfg, prepared.key, outcome, body.failed)
+
+
+def _started_slots(guard: DistributedIdempotencyGuard) -> Any:
+    """``guard``'s store when its markers of ``idempotency_publish_until="started"`` are
+    slots apart from the key (the SQL backends' marker table, ``start_marker``), else
+    ``None``."""
+    store = guard.store
+    if getattr(store, "publishes_until_started", False) and callable(
+        getattr(store, "start_marker", None)
+    ):
+        return store
+    return None
+
+
+def _start_slots(
+    task: IdempotentTask,
+    cfg: IdempotencySettings,
+    guard: DistributedIdempotencyGuard,
+    key: str,
+    store: Any,
+) -> None:
+    """The body starts: its queued marker ends, the running slot names it (at most the
+    publish TTL, read only while the key's row is held). A failure leaves the marker to
+    expire after ``idempotency_publish_ttl`` (publishes meanwhile see the call queued)."""
+    try:
+        store.start_marker(guard.record_key(key), str(task.request.id), cfg.idempotency_publish_ttl)
+    except Exception as exc:
+        log.warning(
+            "could not end the queued marker of %s[%s]: %r", task.name, task.request.id, exc
+        )
+
+
+def _end_slots(
+    task: IdempotentTask, guard: DistributedIdempotencyGuard, key: str, store: Any
+) -> None:
+    """The delivery ended after its body started, or replayed: its slots end."""
+    try:
+        store.end_marker(guard.record_key(key), str(task.request.id))
+    except Exception as exc:  # they expire; the running slot is read only while held
+        log.warning("could not end the markers of %s[%s]: %r", task.name, task.request.id, exc)
 
 
 def apart(guard: DistributedIdempotencyGuard) -> bool:
@@ -290,7 +339,7 @@ def _handed_on(
     if is_failure_envelope(outcome.value):
         if failed is not None and not outcome.replayed:
             raise failed
-        stored = failure_from(task, outcome.value)
+        stored = failure_from(task, outcome.value, cfg.idempotency_store_errors)
         log.info(
             "replayed stored failure %s for %s[%s] key=%s",
             type(stored).__name__,

@@ -23,8 +23,8 @@ import inspect
 import logging
 import string
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from kombu import serialization
 from kombu.exceptions import KombuError
@@ -45,6 +45,7 @@ __all__ = [
     "admin_key",
     "as_received",
     "bound_arguments",
+    "default_hook",
     "eta_seconds",
     "fingerprint_for",
     "key_for",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("celery_idempotent")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: The per-call header that sets the key explicitly:
 #: ``task.apply_async(args, headers={"idempotency_key": "payment-42"})``.
@@ -134,6 +137,24 @@ def received_or_none(
         return None
 
 
+#: Set on ``IdempotentTask``'s own key and fingerprint hooks (:func:`default_hook`).
+_DEFAULT_HOOK = "_idempotency_default_hook"
+
+
+def default_hook(hook: _F) -> _F:
+    """Mark one of ``IdempotentTask``'s own hooks (``idempotency_key_for``,
+    ``idempotency_fingerprint_for``): :func:`prepare_call` does what it does itself, with the
+    settings it was given, instead of calling back into the task. A subclass's override has
+    no mark, so it is called."""
+    setattr(hook, _DEFAULT_HOOK, True)
+    return hook
+
+
+def _overridden(task: IdempotentTask, hook: str) -> bool:
+    """Whether ``task``'s class overrides ``IdempotentTask``'s own ``hook``."""
+    return not getattr(getattr(type(task), hook, None), _DEFAULT_HOOK, False)
+
+
 class PreparedCall(NamedTuple):
     """What a guarded call needs: its key, its bound arguments and its fingerprint."""
 
@@ -147,13 +168,30 @@ def prepare_call(
     cfg: IdempotencySettings,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    as_message: bool = False,
 ) -> PreparedCall | None:
-    """The key, payload and fingerprint of the call in ``task.request``; ``None``: run it
-    unguarded (no key, and ``idempotency_missing_key="run"``)."""
+    """The key, payload and fingerprint of the call in ``task.request`` under ``cfg`` (the
+    call's settings, resolved once by the caller); ``None``: run it unguarded (no key, and
+    ``idempotency_missing_key="run"``).
+
+    ``as_message``: ``args`` and ``kwargs`` are the caller's own objects (an eager
+    ``apply()``): the key is derived from them as a message would carry them (one identity),
+    or from them as they are when no message can.
+
+    The one call from the task into this module on a call's way to its key: the task's hooks
+    ``idempotency_key_for`` and ``idempotency_fingerprint_for`` are called back only where a
+    subclass overrides them; ``IdempotentTask``'s own (:func:`default_hook`) are
+    :func:`key_for` and :func:`fingerprint_for`, called here with ``cfg``."""
+    if as_message:
+        args, kwargs = received_or_none(task, args, kwargs) or (args, kwargs)
     payload = bound_arguments(task, args, kwargs)
     args_hash = fingerprint_payload(payload) if _hashes_args(cfg) else None
     try:
-        key = task.idempotency_key_for(args, kwargs, payload=payload, fingerprint=args_hash)
+        if _overridden(task, "idempotency_key_for"):
+            key = task.idempotency_key_for(args, kwargs, payload=payload, fingerprint=args_hash)
+        else:
+            key = key_for(task, cfg, args, kwargs, payload=payload, fingerprint=args_hash)
     except IdempotencyKeyMissingError as exc:
         if cfg.idempotency_missing_key != "run":
             raise
@@ -167,9 +205,11 @@ def prepare_call(
         return None
     if cfg.idempotency_fingerprint == "args":
         return PreparedCall(key, payload, args_hash)
-    return PreparedCall(
-        key, payload, task.idempotency_fingerprint_for(args, kwargs, payload=payload)
-    )
+    if _overridden(task, "idempotency_fingerprint_for"):
+        fingerprint = task.idempotency_fingerprint_for(args, kwargs, payload=payload)
+    else:
+        fingerprint = fingerprint_for(task, cfg, args, kwargs, payload=payload)
+    return PreparedCall(key, payload, fingerprint)
 
 
 def _hashes_args(cfg: IdempotencySettings) -> bool:

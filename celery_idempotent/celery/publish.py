@@ -79,6 +79,8 @@ class _Check(NamedTuple):
     publish_ttl: float
     policy: str
     until: str = "completed"
+    #: ``idempotency_store_errors`` of the call (a stored failure is rebuilt from it).
+    store_errors: tuple[type[BaseException], ...] = ()
 
 
 class _PublishPlan(NamedTuple):
@@ -336,12 +338,13 @@ def _plan_publish(
     if cfg.idempotency_publish_until == "started" and not isinstance(
         guard.store, ChecksPublishesUntil
     ):
-        # Only a store with that capability ends a call's marker when its delivery claims
-        # the key (today the Redis store).
+        # Only a store with that capability ends a call's marker as its delivery starts
+        # (the Redis store, the SQL backends' marker table).
         raise ValueError(
             f"idempotency_publish_until='started' of task {task.name} needs a store whose "
             f"publish side ends a call's queued marker when it starts (ChecksPublishesUntil: "
-            f"a Redis idempotency_url); its store is a {type(guard.store).__name__}"
+            f"a Redis, PostgreSQL or MySQL/MariaDB idempotency_url); its store is a "
+            f"{type(guard.store).__name__}"
         )
     store = publish_checker(guard.store)
     if store is None:  # the run-time guard decides alone
@@ -357,6 +360,7 @@ def _plan_publish(
         cfg.idempotency_publish_ttl + _delay_of(options),
         policy,
         cfg.idempotency_publish_until,
+        cfg.idempotency_store_errors,
     )
     return _PublishPlan(task_id=task_id, check=check)
 
@@ -412,7 +416,9 @@ def _duplicate_publish(task: IdempotentTask, check: _Check, found: PublishDecisi
         raise IdempotencyBackendError(key, "a completed key without its record")
     result_id = first or uuid()
     if is_failure_envelope(record.result):
-        return EagerResult(result_id, failure_from(task, record.result), states.FAILURE)
+        return EagerResult(
+            result_id, failure_from(task, record.result, check.store_errors), states.FAILURE
+        )
     return EagerResult(result_id, record.result, states.SUCCESS)
 
 

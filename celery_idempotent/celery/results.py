@@ -58,19 +58,26 @@ def is_failure_envelope(value: Any) -> bool:
     return bool(value.get(FAILURE_MARKER) == 1)
 
 
-def failure_from(task: IdempotentTask, envelope: dict[str, Any]) -> BaseException:
+def failure_from(
+    task: IdempotentTask,
+    envelope: dict[str, Any],
+    store_errors: tuple[type[BaseException], ...] | None = None,
+) -> BaseException:
     """The stored failure rebuilt as Celery's result backend rebuilds one: the same class
     with the same args; a stored name that is not an exception class is refused
     (``SecurityError``), and nothing is imported.
 
     A class listed in ``idempotency_store_errors`` is taken from the list itself: Celery
     looks classes up in ``sys.modules`` only, and a replay that does not run the body may
-    not have imported the module the body takes it from.
+    not have imported the module the body takes it from. ``store_errors``: that list as
+    the call's settings (resolved once per call) give it; ``None``: the task's settings.
     """
     stored = envelope["exc"]
     if isinstance(stored, dict):
         wanted = (stored.get("exc_module"), stored.get("exc_type"))
-        for cls in task.idempotency_settings().idempotency_store_errors:
+        if store_errors is None:
+            store_errors = task.idempotency_settings().idempotency_store_errors
+        for cls in store_errors:
             if (cls.__module__, cls.__qualname__) == wanted:
                 message = stored.get("exc_message", ())
                 args = message if isinstance(message, (list, tuple)) else (message,)

@@ -7,7 +7,8 @@ One task instance serves every thread of a process, so nothing per call is kept 
 
 This module is the Celery adapter only; the work is done by:
 
-- ``task_keys.py``: the key and fingerprint of a call;
+- ``keys.py``: the key and fingerprint of a call (``prepare_call``: the one call from
+  here to the key, with the settings resolved once in ``__call__``);
 - ``factory.py``: the backends and guards of the process (``reset_backends``);
 - ``publish.py``: duplicates stopped at ``apply_async``;
 - ``delivery.py``: one delivery run through the guard, its outcome handed back to Celery;
@@ -130,20 +131,16 @@ class IdempotentTask(Task):  # type: ignore[misc]
         # call finds this one, or the copy Task.__call__ pushes of it, marked.
         setattr(request, _GUARDED, True)
         try:
-            if request.is_eager:
-                # apply() hands the caller's objects to the body; the key is the worker's,
-                # from the arguments as a message would carry them (one identity).
-                key_args, key_kwargs = task_keys.received_or_none(self, args, kwargs) or (
-                    args,
-                    kwargs,
-                )
-            else:
-                key_args, key_kwargs = args, kwargs
             # The call's own idempotency_* options, carried with its message (apply_async).
             call_cfg = call_options.with_call_options(
                 cfg, call_options.from_request(self.name, request)
             )
-            prepared = task_keys.prepare_call(self, call_cfg, key_args, key_kwargs)
+            # The one crossing to the key: resolved once here, the settings go down with it.
+            # apply() hands the caller's objects to the body; the key is the worker's, from
+            # the arguments as a message would carry them (one identity).
+            prepared = task_keys.prepare_call(
+                self, call_cfg, args, kwargs, as_message=bool(request.is_eager)
+            )
             if prepared is None:  # no key, idempotency_missing_key="run"
                 return super().__call__(*args, **kwargs)
             guard = factory.guard(self, cfg)
@@ -249,6 +246,7 @@ class IdempotentTask(Task):  # type: ignore[misc]
         """The namespace of this task's keys: ``idempotency_namespace``, else its name."""
         return self.idempotency_settings().namespace_for(str(self.name))
 
+    @task_keys.default_hook
     def idempotency_key_for(
         self,
         args: tuple[Any, ...],
@@ -262,15 +260,24 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``fingerprint``, when given, is the hash of every bound argument (the ``"args"`` key);
         raises :class:`IdempotencyKeyMissingError` when a format field or the key callable
         gives ``None``.
+
+        A hook: a subclass may override it, and the worker and the publish side then both
+        take a call's key from the override (``payload`` is the bound arguments). Not
+        overridden, a call's key is derived without calling it, from the settings the call
+        resolved once.
         """
         cfg = self.idempotency_settings()
         return task_keys.key_for(self, cfg, args, kwargs, payload=payload, fingerprint=fingerprint)
 
+    @task_keys.default_hook
     def idempotency_fingerprint_for(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], *, payload: Any = None
     ) -> str | None:
         """The fingerprint stored with a call's result and compared with its duplicates'
-        (``None``: not compared), as ``idempotency_fingerprint`` says."""
+        (``None``: not compared), as ``idempotency_fingerprint`` says.
+
+        A hook, as :meth:`idempotency_key_for` is, for every ``idempotency_fingerprint`` but
+        ``"args"`` (the hash of the bound arguments, computed once with the key)."""
         cfg = self.idempotency_settings()
         return task_keys.fingerprint_for(self, cfg, args, kwargs, payload=payload)
 

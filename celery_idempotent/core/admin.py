@@ -58,6 +58,10 @@ class IdempotencyStatus:
     where the marker says) and ``claimed`` whether a delivery ever claimed it (``False``: no
     worker has received the message yet, or the broker lost it); ``None`` otherwise. A marker
     whose delivery ended without a commit stands for nothing: the key reads ``absent``.
+
+    ``queued_task_id``: with ``idempotency_publish_until="started"``, a running key may have
+    one more call queued behind the running one: its task id (``task_id`` is then the running
+    call's, where the backend knows it); ``None`` otherwise.
     """
 
     key: str
@@ -69,6 +73,7 @@ class IdempotencyStatus:
     fingerprint: str | None = None
     holder: str | None = None
     claimed: bool | None = None
+    queued_task_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -254,9 +259,29 @@ class GuardAdmin:
             marker = queued_of(guard.record_key(key)) if callable(queued_of) else None
             age, claimed = None, None
         task_id, ttl = marker if marker is not None else (None, None)
+        # idempotency_publish_until="started" (the SQL backends' marker table): the running
+        # call's slot, and the one call queued behind it.
+        slots_of = getattr(guard.store, "started_slots", None)
+        slots = slots_of(guard.record_key(key)) if callable(slots_of) else {}
+        queued_slot = slots.get("queued")
         is_locked = getattr(guard.lock_provider, "is_locked", None)
         if callable(is_locked) and is_locked(guard.lock_resource(key)):
-            return IdempotencyStatus(key=key, state=KeyState.RUNNING, task_id=task_id)
+            running = slots.get("running")
+            return IdempotencyStatus(
+                key=key,
+                state=KeyState.RUNNING,
+                task_id=running[0] if running is not None else task_id,
+                queued_task_id=None if queued_slot is None else queued_slot[0],
+            )
+        if marker is None and queued_slot is not None:
+            return IdempotencyStatus(
+                key=key,
+                state=KeyState.QUEUED,
+                task_id=queued_slot[0],
+                ttl=queued_slot[2],
+                age=queued_slot[1],
+                claimed=False,
+            )
         if marker is not None:
             return IdempotencyStatus(
                 key=key, state=KeyState.QUEUED, task_id=task_id, ttl=ttl, age=age, claimed=claimed

@@ -291,6 +291,13 @@ def test_once_unlock_before_run_one_running_one_queued(
     assert second.id != first.id  # published: the first has started
     third = mig.unlock_before_run.delay(t, 1.5)
     assert third.id == second.id  # stopped: the second is queued
+    # The status names both (it read the queued call's task id as the running one's).
+    status = mig.unlock_before_run.idempotency_status((t, 1.5))
+    assert (status.state, status.task_id, status.queued_task_id) == (
+        "running",
+        first.id,
+        second.id,
+    )
     assert first.get(timeout=TIMEOUT)["run"] == 1
     assert second.get(timeout=TIMEOUT)["run"] == 2
     assert mig.count("ubr", t) == 2

@@ -42,4 +42,9 @@ def test_retry_commits_once(cidem: ModuleType, pool_worker: WorkerGroup, tag: st
     assert value["attempts"] == 2
     assert cidem.flaky.apply_async((tag, 1)).get(timeout=TIMEOUT) == value
     assert count(cidem, "flaky", tag) == 2
-    assert signal_count(cidem, "contended", key_of(cidem.flaky, tag, 1)) == 0
+    key = key_of(cidem.flaky, tag, 1)
+    assert signal_count(cidem, "committed", key) == 1
+    # No "contended" count here: the retry message (countdown 0.05 s) may be delivered to another
+    # thread before the first attempt's lease is released, just after Celery published it; it then
+    # waits as any duplicate of a held key does (seen once at load 30), and still runs once.
+    assert signal_count(cidem, "replayed", key) == 1

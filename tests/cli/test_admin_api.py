@@ -112,7 +112,7 @@ def assert_agree(status: IdempotencyStatus, doc: dict[str, Any]) -> None:
     else:
         assert record is None
         assert lock["held"] is False
-        assert dataclasses.astuple(status)[2:] == (None,) * 7
+        assert dataclasses.astuple(status)[2:] == (None,) * 8  # every field but key, state
 
 
 class Holder:

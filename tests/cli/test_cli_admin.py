@@ -117,6 +117,7 @@ def test_inspect_completed_shows_record_metadata(
         "held": False,
         "holder": None,
         "ttl": None,
+        "task_id": None,  # the running call's (idempotency_publish_until="started")
     }
     assert doc["fence"]["last"] == record["fencing_token"]
     assert "result" not in doc

@@ -53,7 +53,13 @@ def drop_table(url: str, table: str) -> None:
         with conn.cursor() as cur:
             # A transaction a failed test left open must not hang the suite: fail loudly.
             cur.execute("SET SESSION lock_wait_timeout = 10")
-            for name in (table, f"{table}_fencing", f"{table}_payments", f"{table}_runs"):
+            for name in (
+                table,
+                f"{table}_fencing",
+                f"{table}_payments",
+                f"{table}_runs",
+                f"{table}_markers",
+            ):
                 cur.execute(f"DROP TABLE IF EXISTS `{name}`")
     finally:
         conn.close()

@@ -89,13 +89,14 @@ def test_without_migrate_no_ddl_runs_and_the_error_names_the_command(app_db: str
 
 def test_migrate_creates_the_backends_tables(app_db: str) -> None:
     manage(app_db, "migrate", "--noinput")
-    assert tables(app_db) == {TABLE, f"{TABLE}_fencing"}
+    assert tables(app_db) == {TABLE, f"{TABLE}_fencing", f"{TABLE}_markers"}
     # The very tables the backend's own DDL creates (compared column by column).
     for statement in ddl("reference_table").split(";\n"):
         if statement.strip():
             query(app_db, statement)
     assert columns(app_db, TABLE) == columns(app_db, "reference_table")
     assert columns(app_db, f"{TABLE}_fencing") == columns(app_db, "reference_table_fencing")
+    assert columns(app_db, f"{TABLE}_markers") == columns(app_db, "reference_table_markers")
     indexes = {row[2] for row in query(app_db, f"SHOW INDEX FROM `{TABLE}`")}
     assert indexes == {"PRIMARY", f"{TABLE}_expires_at"}
     done = run(app_db, "-c", CHARGE_TWICE)
@@ -110,7 +111,23 @@ def test_migrate_creates_the_backends_tables(app_db: str) -> None:
     manage(app_db, "makemigrations", "celery_idempotent", "--check", "--dry-run")
     # And the migration can be reversed.
     manage(app_db, "migrate", "celery_idempotent", "zero", "--noinput")
-    assert tables(app_db) == {"reference_table", "reference_table_fencing"} & tables(app_db)
+    assert tables(app_db) == {
+        "reference_table",
+        "reference_table_fencing",
+        "reference_table_markers",
+    } & tables(app_db)
+
+
+def test_an_install_migrated_before_the_marker_table_gets_it(app_db: str) -> None:
+    """0002 (issue 24) creates the marker table on an install whose 0001 ran before it
+    existed; reversed, it drops only that table."""
+    manage(app_db, "migrate", "celery_idempotent", "0001", "--noinput")
+    query(app_db, f"DROP TABLE `{TABLE}_markers`")  # 0001 as it ran before the mode
+    manage(app_db, "migrate", "--noinput")
+    assert "[X] 0002_markers" in manage(app_db, "showmigrations", "celery_idempotent")
+    assert f"{TABLE}_markers" in tables(app_db)
+    manage(app_db, "migrate", "celery_idempotent", "0001", "--noinput")
+    assert tables(app_db) == {TABLE, f"{TABLE}_fencing"}
 
 
 def test_a_table_the_backend_created_at_first_use_is_adopted(app_db: str) -> None:

@@ -48,6 +48,7 @@ def drop_table(url: str, table: str) -> None:
         conn.execute(f'DROP TABLE IF EXISTS "{table}"')
         conn.execute(f'DROP SEQUENCE IF EXISTS "{table}_fencing"')
         conn.execute(f'DROP TABLE IF EXISTS "{table}_payments"')
+        conn.execute(f'DROP TABLE IF EXISTS "{table}_markers"')
 
 
 @pytest.fixture

@@ -95,13 +95,21 @@ def test_without_migrate_no_ddl_runs_and_the_error_names_the_command(app_db: str
 
 def test_migrate_creates_the_backends_table_index_and_sequence(app_db: str) -> None:
     manage(app_db, "migrate", "--noinput")
-    assert relations(app_db) == {TABLE, f"{TABLE}_pkey", f"{TABLE}_expires_at", f"{TABLE}_fencing"}
+    marker_relations = {f"{TABLE}_markers", f"{TABLE}_markers_pkey", f"{TABLE}_markers_expires_at"}
+    assert relations(app_db) == {
+        TABLE,
+        f"{TABLE}_pkey",
+        f"{TABLE}_expires_at",
+        f"{TABLE}_fencing",
+        *marker_relations,
+    }
     # The very table the backend's own DDL creates (compared column by column).
     with psycopg.connect(app_db, autocommit=True) as conn:
         for statement in ddl("reference_table").split(";\n"):
             if statement.strip():
                 conn.execute(statement)
     assert columns(app_db, TABLE) == columns(app_db, "reference_table")
+    assert columns(app_db, f"{TABLE}_markers") == columns(app_db, "reference_table_markers")
     done = run(app_db, "-c", CHARGE_TWICE)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "charged o-1 | charged o-1"
@@ -116,6 +124,21 @@ def test_migrate_creates_the_backends_table_index_and_sequence(app_db: str) -> N
     # And the migration can be reversed.
     manage(app_db, "migrate", "celery_idempotent", "zero", "--noinput")
     assert relations(app_db) == set()
+
+
+def test_an_install_migrated_before_the_marker_table_gets_it(app_db: str) -> None:
+    """0002 (issue 24) creates the marker table of ``idempotency_publish_until="started"``
+    on an install whose 0001 ran before it existed; reversed, it drops only that table."""
+    manage(app_db, "migrate", "celery_idempotent", "0001", "--noinput")
+    with psycopg.connect(app_db, autocommit=True) as conn:
+        conn.execute(f'DROP TABLE "{TABLE}_markers"')  # 0001 as it ran before the mode
+    assert f"{TABLE}_markers" not in relations(app_db)
+    manage(app_db, "migrate", "--noinput")
+    assert "[X] 0002_markers" in manage(app_db, "showmigrations", "celery_idempotent")
+    assert f"{TABLE}_markers" in relations(app_db)
+    manage(app_db, "migrate", "celery_idempotent", "0001", "--noinput")
+    assert f"{TABLE}_markers" not in relations(app_db)
+    assert TABLE in relations(app_db)
 
 
 def test_a_table_the_backend_created_at_first_use_is_adopted(app_db: str) -> None:

@@ -23,13 +23,7 @@ pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.redis, pytest.ma
 
 _cells: dict[tuple[str, str], lcm.Cell] = {}
 
-#: Not run here (open, issue 22 follow-up): after a hard time limit on PostgreSQL, in about
-#: one run in four, ``idempotency_status`` read ``absent`` and the identical ``delay()`` made
-#: just after it returned the first (failed) call's ``AsyncResult``, publishing nothing: the
-#: publish check still saw the killed child's row as claimed and locked. The Redis matrix
-#: runs the row.
-OPEN_ON_POSTGRES = {"hard time limit"}
-ROWS = [row for row in lcm.ROWS if row not in OPEN_ON_POSTGRES]
+ROWS = lcm.ROWS
 
 
 @pytest.fixture(scope="module", autouse=True)

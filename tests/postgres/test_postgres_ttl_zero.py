@@ -1,7 +1,7 @@
 """``idempotency_ttl=0`` on PostgreSQL (issue 24): the commit proves the row lock and keeps
 nothing the next claim or publish would see, so the key runs again once the body ended, and
-never twice at the same time; ``idempotency_publish_until="started"`` is refused with a clear
-error (only the Redis publish side ends a call's marker as its delivery starts)."""
+never twice at the same time; ``idempotency_publish_until="started"`` is taken (its marker
+table: ``test_postgres_started.py``)."""
 
 from __future__ import annotations
 
@@ -72,14 +72,19 @@ def test_ttl_zero_frees_the_publish_side(pg_backend: PostgresBackend) -> None:
     assert (again.action, again.unchecked) == ("publish", False)  # free: marked and published
 
 
-def test_publish_until_started_is_refused_on_postgres(postgres_url: str) -> None:
+def test_publish_until_started_through_apply_async_on_postgres(
+    postgres_url: str, pg_table: str
+) -> None:
+    """``idempotency_publish_until="started"`` is taken on PostgreSQL (issue 24; it was
+    refused before the marker table): a queued call stops a publish, with its state and
+    time left; the real-worker tests are ``test_postgres_started_workers.py``."""
     from celery import Celery
 
-    from celery_idempotent import IdempotentTask
+    from celery_idempotent import DuplicatePublishError, IdempotentTask
     from celery_idempotent.celery.task import reset_backends
 
     app = Celery("pgstarted", broker="memory://", set_as_current=False)
-    app.conf.idempotency_url = postgres_url
+    app.conf.idempotency_url = f"{postgres_url}?table={pg_table}"
 
     @app.task(base=IdempotentTask, shared=False, idempotency_publish_until="started")
     def job(x: int) -> int:
@@ -87,8 +92,13 @@ def test_publish_until_started_is_refused_on_postgres(postgres_url: str) -> None
 
     reset_backends()
     try:
-        with pytest.raises(ValueError, match=r"idempotency_publish_until='started'.*Redis"):
-            job.apply_async((1,))
+        first = job.apply_async((1,))
+        assert job.apply_async((1,)).id == first.id
+        with pytest.raises(DuplicatePublishError) as caught:
+            job.apply_async((1,), idempotency_on_duplicate_publish="raise")
+        assert (caught.value.task_id, caught.value.state) == (first.id, "queued")
+        assert caught.value.ttl_left is not None
+        assert caught.value.ttl_left > 3000  # the default publish TTL, an hour
     finally:
         reset_backends()
         app.close()

@@ -227,3 +227,37 @@ def test_ttl_zero_race_of_threads_never_overlaps_and_every_call_runs(
     assert len(spans) == 20
     ordered = sorted(spans)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ordered, ordered[1:]))
+
+
+def test_status_in_started_mode_names_the_running_call_and_the_queued_one(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Issue 24: a key with one call running and one queued behind it read ``running`` with
+    the *queued* call's task id. The running call's claim ended its own marker; its lease's
+    token names it, and the marker no delivery claimed is the queued call's."""
+    from celery_idempotent.admin import read_key, status_of
+
+    guard = guard_on(redis_client, key_prefix)
+    store = guard.store
+    rkey, res = guard.record_key("st"), guard.lock_resource("st")
+    assert store.check_publish(rkey, res, "t-1", None, 30, until="started").action == "publish"
+    queued = status_of(read_key(redis_client, key_prefix, "st"))
+    assert (queued.state, queued.task_id, queued.queued_task_id) == ("queued", "t-1", None)
+    seen: list[tuple[str, str | None, str | None]] = []
+    shown: list[dict[str, object]] = []
+
+    def body() -> None:
+        alone = status_of(read_key(redis_client, key_prefix, "st"))
+        seen.append((alone.state, alone.task_id, alone.queued_task_id))
+        assert store.check_publish(rkey, res, "t-2", None, 30, until="started").action == (
+            "publish"
+        )
+        info = read_key(redis_client, key_prefix, "st")
+        both = status_of(info)
+        seen.append((both.state, both.task_id, both.queued_task_id))
+        shown.append(info.as_json(0.0)["lock"])
+
+    with claims_end_marker("t-1"):
+        guard.run("st", body, task_id="t-1")
+    assert seen == [("running", "t-1", None), ("running", "t-1", "t-2")]
+    assert shown[0]["task_id"] == "t-1"

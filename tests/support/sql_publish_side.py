@@ -31,7 +31,7 @@ class SqlPublish:
 
     backend: Any
     #: seconds a check may take while a running body holds the key's row (it never waits
-    #: for that lock)
+    #: for that lock: one that did would answer "publish unchecked", which the test rules out)
     quick: float
     #: statements sent in the one flight of a check (the transaction's own included)
     flight: int

@@ -28,6 +28,7 @@ from celery_idempotent.backends.mysql.sql import (
     Statements,
     error_code,
     lock_seconds,
+    markers_ddl,
     quote_table,
 )
 from celery_idempotent.backends.sql.backend import SQLBackend, Statement
@@ -144,6 +145,38 @@ class MySQLBackend(SQLBackend, PyMySQLTransactions):
 
     # -- lock provider ------------------------------------------------------------------------
 
+    def _started_statement(self, values: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+        """The publish check of ``idempotency_publish_until="started"`` (the PostgreSQL
+        statement's steps, one flight): (a live record, the queued slot's task id, its
+        fingerprint, its seconds left). The upsert waits only for another publisher's or a
+        starter's statement on the slot (at least 1 s); a deadlock between publishers (InnoDB
+        rolled one back) is tried again."""
+        key = values["key"]
+        statements = [
+            (self.sql.wait, (max(1, self.wait_seconds),)),
+            (self.sql.started_rec, (key,)),
+            (
+                self.sql.started_put,
+                (key, values["tid"], values["fp"], values["now"], values["ttl"]),
+            ),
+            (self.sql.started_seen, (key,)),
+            (self.sql.wait_reset, ()),
+        ]
+        for attempt in range(3):
+            try:
+                rows = self.autocommit(statements)[3]
+                break
+            except Exception as exc:
+                if error_code(exc) not in LOCK_ERRORS or attempt == 2:
+                    raise
+        completed, first, stored_fp, left = rows[0]
+        return bool(completed), first, stored_fp, left
+
+    def _create_markers(self) -> None:
+        """Run the marker table's DDL (``CREATE TABLE IF NOT EXISTS`` is safe to race)."""
+        statements = [(s, ()) for s in markers_ddl(self.table).split(";\n") if s.strip()]
+        self.autocommit(statements)
+
     def _claim_statements(self, row: str, lock_only: bool) -> list[Statement]:
         return [
             (self.sql.wait, (self.wait_seconds,)),
@@ -222,4 +255,6 @@ class MySQLBackend(SQLBackend, PyMySQLTransactions):
             self._finish(tx)
         else:
             self._rollback(tx)
+        if self.markers_ready(create=False):
+            count += int(self.autocommit([(self.sql.cleanup_markers, (n,))])[0])
         return count

@@ -16,9 +16,7 @@ worker. The price is CPU per query, not round trips (the same flights either way
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import threading
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -30,7 +28,7 @@ from celery_idempotent.backends.mysql.sql import (
     ddl,
     error_code,
 )
-from celery_idempotent.backends.sql.connections import Transaction
+from celery_idempotent.backends.sql.connections import ConnectionPool, Transaction
 from celery_idempotent.core.exceptions import IdempotencyConnectionError
 
 __all__ = [
@@ -176,7 +174,7 @@ def socket_alive(sock: Any) -> bool:
     return bool(data != b"")
 
 
-class PyMySQLTransactions:
+class PyMySQLTransactions(ConnectionPool):
     """Connections (a per-process pool of idle ones) and guarded transactions on PyMySQL.
 
     The same steps as :class:`~celery_idempotent.backends.postgres.connections.PsycopgTransactions`
@@ -184,19 +182,7 @@ class PyMySQLTransactions:
     flight; the MySQL backend's protocol methods are made of them.
     """
 
-    url: str | None
-    table: str
-    create_table: bool
-    max_idle: int
     sql: Statements
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ddl_lock = threading.Lock()
-        self._idle: list[Any] = []
-        self._pid = os.getpid()
-        self._ready = False
-        self._open: dict[str, Transaction] = {}
 
     # -- connections ------------------------------------------------------------------------
 
@@ -227,54 +213,19 @@ class PyMySQLTransactions:
         conn.__class__ = guarded_connection_class()
         return conn
 
-    def _get(self) -> Any:
-        with self._lock:
-            if self._pid != os.getpid():
-                # Connections made before a fork belong to the parent: never use them here.
-                self._idle = []
-                self._open = {}
-                self._pid = os.getpid()
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._connect()
-        if not self._ready:
-            with self._ddl_lock:
-                if not self._ready:
-                    try:
-                        self._ensure_table(conn)
-                    except BaseException:
-                        conn.close()
-                        raise
-        return conn
-
-    def _put(self, conn: Any) -> None:
-        usable = (
+    def _reusable(self, conn: Any) -> bool:
+        return bool(
             conn.open
             and not in_transaction(conn)
             and getattr(conn, "server_status", 0) & AUTOCOMMIT
-            and self._pid == os.getpid()
         )
-        if usable:
-            with self._lock:
-                if len(self._idle) < self.max_idle:
-                    self._idle.append(conn)
-                    return
-        self._close(conn)
 
-    @staticmethod
-    def _close(conn: Any) -> None:
+    def _close(self, conn: Any) -> None:
         try:
             if conn.open:
                 conn.close()
         except Exception:  # pragma: no cover - closing a broken connection
             log.debug("closing a MySQL connection failed", exc_info=True)
-
-    def close(self) -> None:
-        """Close the idle connections (open transactions are left to their holders)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            self._close(conn)
 
     def _ensure_table(self, conn: Any) -> None:
         # The first use of a backend: a server without SKIP LOCKED is refused here, by name,

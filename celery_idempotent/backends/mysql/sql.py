@@ -29,6 +29,7 @@ __all__ = [
     "ddl",
     "error_code",
     "lock_seconds",
+    "markers_ddl",
     "quote_table",
 ]
 
@@ -131,7 +132,29 @@ def ddl(table: str = DEFAULT_TABLE) -> str:
         ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin;\n"
         f"CREATE TABLE IF NOT EXISTS {fencing} (\n"
         "    id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY\n"
-        ") ENGINE=InnoDB;\n"
+        ") ENGINE=InnoDB;\n" + markers_ddl(table)
+    )
+
+
+def markers_ddl(table: str = DEFAULT_TABLE) -> str:
+    """The SQL that creates ``table``'s marker table (``<table>_markers``, idempotent) of
+    ``idempotency_publish_until="started"``, as on PostgreSQL
+    (:func:`celery_idempotent.backends.postgres.sql.markers_ddl`): one row per key and slot,
+    ``queued`` or ``running``. Created at the first use of the mode."""
+    check_table(table)
+    schema, name, _ = _names(table)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {quote_table(schema + name + '_markers')} (\n"
+        f"    `key`        VARCHAR({MAX_KEY}) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+        "NOT NULL,\n"
+        "    slot         VARCHAR(16) CHARACTER SET ascii NOT NULL,   -- 'queued' or 'running'\n"
+        "    task_id      VARCHAR(255) NOT NULL,\n"
+        "    fingerprint  TEXT,\n"
+        "    created_at   DOUBLE,                 -- the publisher's (starter's) clock\n"
+        "    expires_at   DATETIME(6) NOT NULL,   -- UTC\n"
+        "    PRIMARY KEY (`key`, slot),\n"
+        f"    INDEX `{name}_markers_expires_at` (expires_at)\n"
+        ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin;\n"
     )
 
 
@@ -309,6 +332,64 @@ class Statements:
             "TABLE_SCHEMA = COALESCE(NULLIF(%s, ''), DATABASE()) AND TABLE_NAME IN (%s, %s)"
         )
         self.exists_params: tuple[Any, ...] = (self.schema, name, name + "_fencing")
+        self._started(t, schema, name, now)
+
+    def _started(self, t: str, schema: str, name: str, now: str) -> None:
+        """The statements of ``idempotency_publish_until="started"`` on the marker table, as
+        the PostgreSQL backend's (same names); none waits for a key's row."""
+        self.markers = schema + name + "_markers"
+        m = quote_table(self.markers)
+        live = f"expires_at > {now}"
+        self.markers_exists = (
+            "SELECT COUNT(*) = 1 FROM information_schema.TABLES WHERE "
+            "TABLE_SCHEMA = COALESCE(NULLIF(%s, ''), DATABASE()) AND TABLE_NAME = %s"
+        )
+        self.markers_exists_params: tuple[Any, ...] = (self.schema, name + "_markers")
+        # The publish check, in one flight of a transaction of its own (see the PostgreSQL
+        # statement): a live record (a consistent read: never waits); the queued slot taken
+        # when there is no record and it is free (expires_at is assigned last: the other
+        # assignments read the old value); then whose the slot is (after the upsert our own
+        # row version: the winner's marker).
+        self.started_rec = (
+            f"SELECT COUNT(*) FROM {t} WHERE `key` = %s AND state = 'completed' AND {live} "
+            "INTO @ci_rec"
+        )
+        gone = f"expires_at <= {now}"
+        self.started_put = (
+            f"INSERT INTO {m} (`key`, slot, task_id, fingerprint, created_at, expires_at) "
+            f"SELECT %s, 'queued', %s, %s, %s, {now} + INTERVAL ROUND(%s * 1000000) MICROSECOND "
+            "FROM DUAL WHERE @ci_rec = 0 ON DUPLICATE KEY UPDATE "
+            f"task_id = IF({gone}, VALUES(task_id), task_id), "
+            f"fingerprint = IF({gone}, VALUES(fingerprint), fingerprint), "
+            f"created_at = IF({gone}, VALUES(created_at), created_at), "
+            f"expires_at = IF({gone}, VALUES(expires_at), expires_at)"
+        )
+        self.started_seen = (
+            f"SELECT @ci_rec > 0, q.task_id, q.fingerprint, "
+            f"TIMESTAMPDIFF(MICROSECOND, {now}, q.expires_at) / 1e6 FROM (SELECT 1) AS one "
+            f"LEFT JOIN {m} AS q ON q.`key` = %s AND q.slot = 'queued' AND q.{live}"
+        )
+        self.start_queued = f"DELETE FROM {m} WHERE `key` = %s AND slot = 'queued' AND task_id = %s"
+        self.start_running = (
+            f"INSERT INTO {m} (`key`, slot, task_id, fingerprint, created_at, expires_at) "
+            f"VALUES (%s, 'running', %s, NULL, %s, {now} + INTERVAL ROUND(%s * 1000000) "
+            "MICROSECOND) ON DUPLICATE KEY UPDATE task_id = VALUES(task_id), "
+            "created_at = VALUES(created_at), expires_at = VALUES(expires_at)"
+        )
+        self.end_started = f"DELETE FROM {m} WHERE `key` = %s AND task_id = %s"
+        self.started_slots = (
+            "SELECT slot, task_id, fingerprint, created_at, "
+            f"TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) / 1e6 FROM {m} "
+            f"WHERE `key` = %s AND {live}"
+        )
+        self.forget_markers = f"DELETE FROM {m} WHERE `key` = %s"
+        self.count_markers_like = (
+            f"SELECT COUNT(*) FROM {m} WHERE `key` LIKE %s AND slot = 'queued' AND {live}"
+        )
+        self.forget_markers_like = f"DELETE FROM {m} WHERE `key` LIKE %s AND slot = 'queued'"
+        self.cleanup_markers = (
+            f"DELETE FROM {m} WHERE expires_at < {now} ORDER BY expires_at LIMIT %s"
+        )
 
     def delete_keys(self, keys: Sequence[str]) -> list[tuple[str, tuple[str]]]:
         """One ``DELETE`` by primary key per key (the sweep's second step): ``key IN (...)``

@@ -24,12 +24,13 @@ from celery_idempotent.backends.postgres.sql import (
     INVALID_TEXT_REPRESENTATION,
     LOCK_NOT_AVAILABLE,
     PUBLISH_PARAMS,
+    STARTED_PARAMS,
     Statements,
     is_pg_error,
     quote_table,
     record_columns,
 )
-from celery_idempotent.backends.sql.backend import SQLBackend, Statement
+from celery_idempotent.backends.sql.backend import SQLBackend, Statement, statements_of
 from celery_idempotent.core.protocols import IdempotencyRecord
 
 __all__ = ["PostgresBackend"]
@@ -94,14 +95,15 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
         ]
 
     def _claim_begin(
-        self, row: str, statements: Sequence[Statement], lock_only: bool
+        self, row: str, statements: Sequence[Statement], lock_only: bool, ttl: float = 0.0
     ) -> tuple[Transaction, list[Any]]:
         if lock_only or not self.checks_publishes():
             return self._begin(row, statements)
-        # The key's queued marker becomes "claimed", committed first (same flight): if this
-        # delivery's transaction dies, the row is left claimed and unlocked, which the
-        # publish check reads as free (SPEC §8: a killed body frees its key).
-        marker = [(self.sql.claim_marker, (row,))]
+        # The key's queued marker becomes "claimed" for the lease's ttl, committed first
+        # (same flight): if this delivery's transaction dies, the row is left claimed and
+        # unlocked, which holds the key until that ttl has run out (SPEC §8: a killed body
+        # frees its key within lock_ttl) and no longer.
+        marker = [(self.sql.claim_marker, (ttl, row))]
         return self._begin_after(marker, row, statements)
 
     def _claim_result(
@@ -119,6 +121,10 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
             (self.sql.insert, (row,)),
             (self.sql.probe, (row,)),
         ]
+
+    def _probe_held(self, results: Sequence[Any]) -> bool:
+        probed = results[2]  # the probe's row: a claimed marker within its lease?
+        return bool(probed and probed[0][0])
 
     # -- store ----------------------------------------------------------------------------------
 
@@ -143,6 +149,24 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
         params = self._publish_params(values, sync="off")
         result: list[Any] = self.autocommit([(self.sql.publish, params)])[0]
         return result
+
+    def _started_statement(self, values: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+        """:attr:`Statements.publish_started` in a transaction of its own (committed without
+        waiting for the WAL flush): (a live record, the queued slot's task id, its
+        fingerprint, its seconds left)."""
+        every = {**values, "sync": "off"}
+        params = tuple(every[name] for name in STARTED_PARAMS)
+        rows = self.autocommit([(self.sql.publish_started, params)])[0]
+        completed, first, stored_fp, left = rows[0]
+        return bool(completed), first, stored_fp, left
+
+    def _create_markers(self) -> None:
+        """Run the marker table's DDL (under the advisory lock of the table's DDL)."""
+        from celery_idempotent.backends.postgres.sql import markers_ddl  # noqa: PLC0415
+
+        statements: list[Statement] = [(self.sql.ddl_lock, ("celery_idempotent:" + self.table,))]
+        statements += [(each, ()) for each in statements_of(markers_ddl(self.table))]
+        self.autocommit(statements)
 
     # -- atomic backend ---------------------------------------------------------------------------
 
@@ -175,4 +199,7 @@ class PostgresBackend(SQLBackend, PsycopgTransactions):
         """Delete at most ``limit`` (``cleanup_batch``) expired rows, oldest first, skipping
         rows a claim holds; returns how many were deleted. Uses the ``expires_at`` index."""
         n = self.cleanup_batch if limit is None else limit
-        return int(self.autocommit([(self.sql.cleanup, (n,))])[0])
+        statements: list[Statement] = [(self.sql.cleanup, (n,))]
+        if self.markers_ready(create=False):
+            statements.append((self.sql.cleanup_markers, (n,)))
+        return sum(int(each) for each in self.autocommit(statements))

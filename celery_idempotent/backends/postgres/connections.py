@@ -12,13 +12,12 @@ and store on these steps; ``DjangoBackend`` replaces them with Django's connecti
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from celery_idempotent.backends.postgres.sql import LOCK_NOT_AVAILABLE, Statements, ddl, is_pg_error
 from celery_idempotent.backends.sql.connections import (
+    ConnectionPool,
     Rollback,
     Transaction,
     ended_by_body,
@@ -92,7 +91,7 @@ def raw_alive(raw: Any) -> bool:
         raw.lock.release()
 
 
-class PsycopgTransactions:
+class PsycopgTransactions(ConnectionPool):
     """Connections (a per-process pool of idle ones) and guarded transactions on psycopg.
 
     The steps a backend's protocol methods are made of: :meth:`_begin` a transaction with its
@@ -101,19 +100,7 @@ class PsycopgTransactions:
     transaction of their own). A subclass on another driver (``DjangoBackend``) replaces them.
     """
 
-    url: str | None
-    table: str
-    create_table: bool
-    max_idle: int
     sql: Statements
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ddl_lock = threading.Lock()
-        self._idle: list[Any] = []
-        self._pid = os.getpid()
-        self._ready = False
-        self._open: dict[str, Transaction] = {}
 
     # -- connections (psycopg) ----------------------------------------------------------------
 
@@ -141,52 +128,19 @@ class PsycopgTransactions:
         except psycopg.OperationalError as exc:
             raise ConnectionError(f"cannot connect to PostgreSQL: {exc}") from exc
 
-    def _get(self) -> Any:
-        with self._lock:
-            if self._pid != os.getpid():
-                # Connections made before a fork belong to the parent: never use or close
-                # them here (psycopg itself does not end a connection of another process
-                # when it is garbage collected: tests/postgres/test_postgres_backend.py).
-                self._idle = []
-                self._open = {}
-                self._pid = os.getpid()
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._connect()
-        if not self._ready:
-            with self._ddl_lock:
-                if not self._ready:
-                    try:
-                        self._ensure_table(conn)
-                    except BaseException:
-                        conn.close()
-                        raise
-        return conn
-
-    def _put(self, conn: Any) -> None:
+    def _reusable(self, conn: Any) -> bool:
         psycopg = import_psycopg()
-        usable = (
+        return bool(
             not conn.closed
             and not conn.broken
             and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-            and self._pid == os.getpid()
         )
-        if usable:
-            with self._lock:
-                if len(self._idle) < self.max_idle:
-                    self._idle.append(conn)
-                    return
+
+    def _close(self, conn: Any) -> None:
         try:
             conn.close()
         except Exception:  # pragma: no cover - closing a broken connection
             log.debug("closing a PostgreSQL connection failed", exc_info=True)
-
-    def close(self) -> None:
-        """Close the idle connections (open transactions are left to their holders)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
 
     def _ensure_table(self, conn: Any) -> None:
         psycopg = import_psycopg()

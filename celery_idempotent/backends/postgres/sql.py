@@ -22,12 +22,15 @@ __all__ = [
     "INVALID_TEXT_REPRESENTATION",
     "LOCK_NOT_AVAILABLE",
     "PUBLISH_PARAMS",
+    "STARTED_PARAMS",
     "AdminStatements",
     "Statements",
     "check_table",
     "ddl",
     "decode_row",
     "is_pg_error",
+    "markers_ddl",
+    "markers_table",
     "quote_table",
     "record_columns",
 ]
@@ -65,6 +68,38 @@ def ddl(table: str = DEFAULT_TABLE) -> str:
         ");\n"
         f'CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {t} (expires_at);\n'
         f"CREATE SEQUENCE IF NOT EXISTS {quote_table(schema + name + '_fencing')};\n"
+        + markers_ddl(table)
+    )
+
+
+def markers_table(table: str) -> str:
+    """The name of ``table``'s marker table (``<table>_markers``, same schema)."""
+    name = table.rsplit(".", maxsplit=1)[-1]
+    return table[: -len(name)] + name + "_markers"
+
+
+def markers_ddl(table: str = DEFAULT_TABLE) -> str:
+    """The SQL that creates ``table``'s marker table (idempotent), the markers of
+    ``idempotency_publish_until="started"``: one row per key and slot, ``queued`` (a call
+    published whose body has not started) and ``running`` (the call whose body runs: its
+    task id, for the admin). The publish check of that mode reads and writes only these rows,
+    so it never waits for the key's row, which a running body holds locked. Created at the
+    first use of the mode (an install from before it has no such table; ``create_table=False``
+    needs this DDL run first: ``celery -A app idempotency sql``)."""
+    check_table(table)
+    m = markers_table(table)
+    name = m.rsplit(".", maxsplit=1)[-1]
+    return (
+        f"CREATE TABLE IF NOT EXISTS {quote_table(m)} (\n"
+        "    key              text NOT NULL,\n"
+        "    slot             text NOT NULL,          -- 'queued' or 'running'\n"
+        "    task_id          text NOT NULL,\n"
+        "    fingerprint      text,\n"
+        "    created_at       double precision,       -- the publisher's (starter's) clock\n"
+        "    expires_at       timestamptz NOT NULL,\n"
+        "    PRIMARY KEY (key, slot)\n"
+        ");\n"
+        f'CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {quote_table(m)} (expires_at);\n'
     )
 
 
@@ -152,7 +187,12 @@ class Statements:
             "AND expires_at > statement_timestamp()"
         )
         self.delete_any = f"DELETE FROM {t} WHERE key = %s"
-        self.probe = f"SELECT 1 FROM {t} WHERE key = %s FOR UPDATE NOWAIT"
+        # Whether a transaction holds the row (55P03) or, unlocked, the row is a claimed
+        # marker whose lease has not run out (see claim_marker): the key is held either way.
+        self.probe = (
+            f"SELECT state = 'claimed' AND expires_at > statement_timestamp() FROM {t} "
+            "WHERE key = %s FOR UPDATE NOWAIT"
+        )
         self.cleanup = (
             f"DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {t} "
             "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
@@ -189,7 +229,8 @@ class Statements:
             "WHEN NOT EXISTS (SELECT 1 FROM seen) THEN 'mark' "
             "WHEN (SELECT live AND state = 'completed' FROM seen) THEN 'completed' "
             "WHEN (SELECT live AND state = 'queued' FROM seen) "
-            "OR ((SELECT state = 'claimed' FROM seen) AND NOT EXISTS (SELECT 1 FROM free)) "
+            "OR ((SELECT state = 'claimed' FROM seen) "
+            "AND (NOT EXISTS (SELECT 1 FROM free) OR (SELECT live FROM seen))) "
             "THEN CASE WHEN "
             "(SELECT result FROM seen) = convert_to(%s, 'UTF8') THEN 'own' ELSE 'queued' END "
             "WHEN NOT EXISTS (SELECT 1 FROM free) THEN 'running' "
@@ -202,7 +243,7 @@ class Statements:
             "ON CONFLICT (key) DO UPDATE SET state = 'queued', fingerprint = EXCLUDED.fingerprint, "
             "content_type = NULL, content_encoding = NULL, result = EXCLUDED.result, "
             "created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at "
-            "WHERE NOT (r.state IN ('completed', 'queued') "
+            "WHERE NOT (r.state IN ('completed', 'queued', 'claimed') "
             "AND r.expires_at > statement_timestamp()) RETURNING 1) "
             "SELECT (SELECT d FROM decide), (SELECT count(*) FROM put), "
             "s.state, s.fingerprint, s.content_type, s.content_encoding, s.result, "
@@ -232,9 +273,16 @@ class Statements:
             "FOR UPDATE SKIP LOCKED)"
         )
         # Before a claim's BEGIN, in the same flight and committed on its own: the marker is
-        # claimed. Never waits (a row another delivery holds is left alone).
+        # claimed, for the lease's ttl. Never waits (a row another delivery holds is left
+        # alone). Until the claim's transaction locks the row (the next statements of the
+        # flight, which a killed client's server still runs) and after that transaction died
+        # with its client, the row is claimed and unlocked: it holds the key until its
+        # expiry, so a key frees "within lock_ttl" as on Redis, never for a moment in between
+        # (a status read there said "absent" and the publish just after found the row locked).
         self.claim_marker = (
-            f"UPDATE {t} SET state = 'claimed' WHERE key = (SELECT key FROM {t} WHERE key = %s "
+            f"UPDATE {t} SET state = 'claimed', "
+            "expires_at = statement_timestamp() + make_interval(secs => %s) "
+            f"WHERE key = (SELECT key FROM {t} WHERE key = %s "
             "AND state = 'queued' AND expires_at > statement_timestamp() "
             "FOR UPDATE SKIP LOCKED)"
         )
@@ -255,10 +303,84 @@ class Statements:
         schema_name = schema.rstrip(".")
         self.exists_params = (name, name + "_fencing", schema_name, schema_name)
         self.ddl_lock = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+        self._started(t, table, name, schema_name)
+
+    def _started(self, t: str, table: str, name: str, schema_name: str) -> None:
+        """The statements of ``idempotency_publish_until="started"``, on the marker table
+        (:func:`markers_ddl`) beside the key table. None of them touches a key's row but to
+        read it (an MVCC read: never waits), so none waits for a running body."""
+        m = quote_table(markers_table(table))
+        self.markers = markers_table(table)
+        self.markers_exists = (
+            "SELECT count(*) = 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE c.relname = %s AND (n.nspname = %s OR "
+            "(%s = '' AND pg_catalog.pg_table_is_visible(c.oid)))"
+        )
+        self.markers_exists_params = (name + "_markers", schema_name, schema_name)
+        live = "expires_at > statement_timestamp()"
+        gone = "q.expires_at <= statement_timestamp()"
+        # The publish check of the mode, one statement: the key's one queued slot is taken
+        # when it is free (absent, expired) and left as it is otherwise; RETURNING says whose
+        # it is now (the upsert waits only for another publisher's or a starter's statement
+        # on the slot). With a live record nothing is written: a live queued marker (a call
+        # published while the record's body ran) still stops the publish, else the call is
+        # published past it (the worker replays it).
+        self.publish_started = (
+            "WITH cfg AS (SELECT set_config('synchronous_commit', "
+            "COALESCE(%s, current_setting('synchronous_commit')), true) AS sc), "
+            f"rec AS (SELECT 1 FROM {t} WHERE key = %s AND state = 'completed' AND {live}), "
+            "seen AS (SELECT task_id, fingerprint, "
+            f"extract(epoch FROM expires_at - statement_timestamp()) AS ttl FROM {m} "
+            f"WHERE key = %s AND slot = 'queued' AND {live}), "
+            f"put AS (INSERT INTO {m} AS q (key, slot, task_id, fingerprint, created_at, "
+            "expires_at) SELECT %s, 'queued', %s, %s, %s, statement_timestamp() + "
+            "make_interval(secs => %s) FROM cfg WHERE NOT EXISTS (SELECT 1 FROM rec) "
+            "ON CONFLICT (key, slot) DO UPDATE SET "
+            f"task_id = CASE WHEN {gone} THEN EXCLUDED.task_id ELSE q.task_id END, "
+            f"fingerprint = CASE WHEN {gone} THEN EXCLUDED.fingerprint ELSE q.fingerprint END, "
+            f"created_at = CASE WHEN {gone} THEN EXCLUDED.created_at ELSE q.created_at END, "
+            f"expires_at = CASE WHEN {gone} THEN EXCLUDED.expires_at ELSE q.expires_at END "
+            "RETURNING q.task_id, q.fingerprint, "
+            "extract(epoch FROM q.expires_at - statement_timestamp()) AS ttl) "
+            "SELECT EXISTS (SELECT 1 FROM rec), COALESCE(p.task_id, s.task_id), "
+            "CASE WHEN p.task_id IS NULL THEN s.fingerprint ELSE p.fingerprint END, "
+            "COALESCE(p.ttl, s.ttl) "
+            "FROM (SELECT 1) AS one LEFT JOIN put AS p ON true LEFT JOIN seen AS s ON true"
+        )
+        # As a body starts (its delivery holds the key's row): its own queued marker ends,
+        # and the running slot names it (for the admin; read only while the row is held).
+        self.start_queued = f"DELETE FROM {m} WHERE key = %s AND slot = 'queued' AND task_id = %s"
+        self.start_running = (
+            f"INSERT INTO {m} (key, slot, task_id, fingerprint, created_at, expires_at) "
+            "VALUES (%s, 'running', %s, NULL, %s, statement_timestamp() + "
+            "make_interval(secs => %s)) ON CONFLICT (key, slot) DO UPDATE SET "
+            "task_id = EXCLUDED.task_id, created_at = EXCLUDED.created_at, "
+            "expires_at = EXCLUDED.expires_at"
+        )
+        # A delivery ended (or replayed): whatever slot still names it.
+        self.end_started = f"DELETE FROM {m} WHERE key = %s AND task_id = %s"
+        # What the admin shows: the key's live slots.
+        self.started_slots = (
+            "SELECT slot, task_id, fingerprint, created_at, "
+            f"extract(epoch FROM expires_at - statement_timestamp()) FROM {m} "
+            f"WHERE key = %s AND {live}"
+        )
+        self.forget_markers = f"DELETE FROM {m} WHERE key = %s"
+        self.count_markers_like = (
+            f"SELECT count(*) FROM {m} WHERE key LIKE %s AND slot = 'queued' AND {live}"
+        )
+        self.forget_markers_like = f"DELETE FROM {m} WHERE key LIKE %s AND slot = 'queued'"
+        self.cleanup_markers = (
+            f"DELETE FROM {m} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {m} "
+            "WHERE expires_at < statement_timestamp() ORDER BY expires_at LIMIT %s "
+            "FOR UPDATE SKIP LOCKED))"
+        )
 
 
 #: The order of :attr:`Statements.publish`'s parameters.
 PUBLISH_PARAMS = ("wait", "sync", "key", "key", "tid", "key", "fp", "tid", "now", "ttl")
+#: The order of :attr:`Statements.publish_started`'s parameters.
+STARTED_PARAMS = ("sync", "key", "key", "key", "tid", "fp", "now", "ttl")
 
 
 class AdminStatements:

@@ -62,10 +62,14 @@ def status_of(info: KeyInfo, now: float | None = None) -> IdempotencyStatus:
             holder=info.holder,
         )
     if info.lock_token is not None:
+        # A marker no delivery claimed, beside a held lock, is a call queued behind the
+        # running one (idempotency_publish_until="started": the running call's claim ended
+        # its own marker, and its lease's token names it).
         return IdempotencyStatus(
             key=info.key,
             state=KeyState.RUNNING,
-            task_id=info.queued_task_id,
+            task_id=info.running_task_id,
+            queued_task_id=info.queued_task_id if info.queued_behind else None,
             ttl=info.lock_ttl,
             fencing_token=info.lease_fence,
             holder=info.holder,
@@ -171,8 +175,12 @@ def _lines(info: KeyInfo, now: float) -> list[tuple[str, str]]:
         ("key", info.key),
         ("state", _STATE_LINES[KeyState.of(info.state)]),
     ]
+    running = info.running_task_id
+    if running is not None and info.queued_behind:  # idempotency_publish_until="started"
+        rows.append(("running as", f"task {running}"))
     if info.queued_task_id is not None:
-        rows.append(("queued as", f"task {info.queued_task_id}"))
+        label = "queued behind it" if info.queued_behind else "queued as"
+        rows.append((label, f"task {info.queued_task_id}"))
         age = info.queued_age(now)
         rows.append(("queued for", "-" if age is None else format_duration(age)))
         rows.append(("marker ttl", format_duration(info.queued_ttl)))

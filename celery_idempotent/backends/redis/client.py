@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import socket
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ __all__ = [
     "new_token",
     "same_server",
     "sentinel_factory_from_broker",
+    "task_of_token",
     "why_not_same_server",
 ]
 
@@ -171,9 +173,27 @@ def default_owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
-def new_token(owner_id: str) -> str:
-    """A token unique to one acquisition, naming its owner."""
+#: Between a token's random part and the task id it carries (see :func:`new_token`).
+TASK_SEP = "~"
+_TASK_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def new_token(owner_id: str, task_id: str | None = None) -> str:
+    """A token unique to one acquisition, naming its owner; with ``task_id`` (a claim in
+    ``idempotency_publish_until="started"``, whose marker the claim ends) it names the running
+    call too, ``<random>~<task id>@<owner>``, so that the admin can tell the running call from
+    the one queued behind it. A task id with other characters than letters, digits and
+    ``_.:-`` is not carried. Tokens are only ever compared whole."""
+    if task_id is not None and _TASK_ID.match(task_id):
+        return f"{secrets.token_hex(12)}{TASK_SEP}{task_id}@{owner_id}"
     return f"{secrets.token_hex(12)}@{owner_id}"
+
+
+def task_of_token(token: str) -> str | None:
+    """The task id a lease's token or lock's value carries (:func:`new_token`), else ``None``."""
+    random = token.rsplit("/", 1)[-1].split("@", 1)[0]
+    _, sep, task_id = random.partition(TASK_SEP)
+    return task_id if sep and task_id else None
 
 
 def ms(seconds: float) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_idempotent import keyspace as task_keys
 from celery_idempotent.backends.redis import admin_scripts as redis_admin_scripts
+from celery_idempotent.backends.redis import client as redis_client
 from celery_idempotent.backends.redis import keyspace
 from celery_idempotent.backends.redis.keyspace import fence_name, lock_name, record_name
 from celery_idempotent.core.codec import serializer_info
@@ -87,6 +88,28 @@ class KeyInfo:
     #: body that failed, a killed worker): it stands for nothing, the key is free (SPEC §8).
     dead_marker_task_id: str | None = None
 
+    @property
+    def queued_behind(self) -> bool:
+        """Whether the queued marker is a call waiting behind the running one: no delivery
+        claimed it and the lock is held (``idempotency_publish_until="started"``: the running
+        call's claim ended its own marker)."""
+        return (
+            self.lock_token is not None
+            and self.queued_task_id is not None
+            and self.queued_claimed is False
+        )
+
+    @property
+    def running_task_id(self) -> str | None:
+        """The task id of the call whose body runs (the lock is held): the claimed marker's,
+        or, with a call queued behind it, the one its lease's token carries; ``None`` when
+        neither says."""
+        if self.lock_token is None:
+            return None
+        if self.queued_behind or self.queued_task_id is None:
+            return redis_client.task_of_token(self.lock_token)
+        return self.queued_task_id
+
     def queued_age(self, now: float) -> float | None:
         """Seconds since the queued call was published (``None``: unknown or no marker)."""
         if self.queued_at is None or self.queued_task_id is None:
@@ -140,6 +163,7 @@ class KeyInfo:
                 "held": self.lock_token is not None,
                 "holder": self.holder,
                 "ttl": self.lock_ttl,
+                "task_id": self.running_task_id,
             },
             "fence": {"name": self.fence_name, "last": self.last_fence, "ttl": self.fence_ttl},
             "queued": None

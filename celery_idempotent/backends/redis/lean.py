@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import threading
 import types
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,6 +121,20 @@ def why_not_lean(client: Any) -> str | None:
     return None
 
 
+#: Every :class:`LeanScripts` of the process, told by :func:`_after_fork_in_child` that a
+#: fork's child must not use the parent's connections.
+_instances: weakref.WeakSet[LeanScripts] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for instance in list(_instances):
+        instance._forget_parent()
+
+
+if hasattr(os, "register_at_fork"):  # every fork made by Python (os.fork, billiard, ...)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def lean_for(client: Any) -> LeanScripts | None:
     """A :class:`LeanScripts` over ``client``'s pool, or ``None`` when the client cannot take
     the lean path (see :func:`why_not_lean`)."""
@@ -155,6 +170,18 @@ class LeanScripts:
         # expected, and the checkout does not treat it as a dirty connection (a closed one
         # still is: can_read raises).
         self._check_ready = not (callable(maint) and maint())
+        # A fork's child is told by the at-fork hook (no getpid() system call per call);
+        # where there is no hook, each call compares the pid.
+        self._check_pid = not hasattr(os, "register_at_fork")
+        _instances.add(self)
+
+    def _forget_parent(self) -> None:
+        """In a fork's child: the parent's connections are its sockets; forget them, never
+        close them (redis-py's pool does the same after a fork)."""
+        self._free = []
+        self._held = 0
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"LeanScripts({self._client!r})"
@@ -163,13 +190,8 @@ class LeanScripts:
         """``script(keys=keys, args=args)``, with the same reply and the same errors."""
         if not self._plain(type(self._client)):
             return script(keys=keys, args=args)  # instrumented: through execute_command
-        if self._pid != os.getpid():
-            # A fork's child: the parent's connections are its sockets; forget them, never
-            # close them (redis-py's pool does the same after a fork).
-            self._free = []
-            self._held = 0
-            self._lock = threading.Lock()  # another thread may have held it at the fork
-            self._pid = os.getpid()
+        if self._check_pid and self._pid != os.getpid():
+            self._forget_parent()
         free = self._free
         try:
             conn = free.pop()

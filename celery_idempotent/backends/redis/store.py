@@ -434,10 +434,10 @@ class RedisAtomicBackend:
 
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """See :class:`~celery_idempotent.core.protocols.AtomicBackend` (one round trip)."""
-        token = redis_client.new_token(self.locks.owner_id)
+        ends = _claim_ends.get()
+        token = redis_client.new_token(self.locks.owner_id, ends or None)
         keys = [resource, key, keyspace.fence_name(resource)]
         args: list[Any] = [token, redis_client.ms(ttl)]
-        ends = _claim_ends.get()
         if ends:
             args.append(ends)
         acked: Any = None

@@ -142,6 +142,7 @@ def describe(
             "age": None if found[6] is None else max(0.0, now - float(found[6])),
             "claimed": (found[3] == "requeued") if sql.says_claimed else None,
         }
+    _started_slots(backend, doc, row, held)
     if record is not None:
         created = float(record[6]) if record[6] is not None else None
         doc["record"] = {
@@ -158,6 +159,19 @@ def describe(
             doc["result"] = result
             doc["result_error"] = error
     return doc
+
+
+def _started_slots(backend: SQLBackend, doc: dict[str, Any], row: str, held: bool) -> None:
+    """The marker table's slots of ``idempotency_publish_until="started"`` into ``doc``:
+    the running call (``running``, while the row is held) and the one queued behind it."""
+    slots = backend.started_slots(row)
+    running, queued = slots.get("running"), slots.get("queued")
+    if held and running is not None:
+        doc["running"] = {"task_id": running[0], "age": running[1]}
+    if queued is not None and doc.get("queued") is None and doc["state"] != "completed":
+        doc["queued"] = {"task_id": queued[0], "ttl": queued[2], "age": queued[1], "claimed": False}
+        if doc["state"] == "absent":
+            doc["state"] = "queued"
 
 
 def _delete_row(backend: SQLBackend, row: str) -> int | None:
@@ -177,13 +191,17 @@ def forget_one(backend: SQLBackend, prefix: str, nkey: str, *, dry_run: bool) ->
     found, held = row_state(backend, row)
     doc: dict[str, Any] = {"key": nkey, "row": row, "dry_run": dry_run, "deleted": 0}
     doc["state"] = IN_PROGRESS if held else "absent" if found is None else str(found[0])
+    if not held and not dry_run:
+        doc["deleted"] = backend.forget_markers(row)  # the "started" mode's markers
+        if found is None and doc["deleted"]:
+            doc["state"] = "queued"
     if held or found is None or dry_run:
         return doc
     deleted = _delete_row(backend, row)
     if deleted is None:
         doc["state"] = IN_PROGRESS
     else:
-        doc["deleted"] = deleted
+        doc["deleted"] += deleted
     return doc
 
 
@@ -221,9 +239,12 @@ def forget_task(
         raise
     if dry_run:
         backend._rollback(tx)
-        return {"records": len(keys), "held": total - len(keys), "deleted": 0, "dry_run": True}
+        marked = backend.forget_markers_like(like, dry_run=True)  # the "started" mode's queued
+        held_rows = total - len(keys)
+        return {"records": len(keys) + marked, "held": held_rows, "deleted": 0, "dry_run": True}
     backend._finish(tx)
-    return {"records": deleted, "held": total - deleted, "deleted": deleted, "dry_run": False}
+    gone = deleted + backend.forget_markers_like(like)
+    return {"records": gone, "held": total - deleted, "deleted": gone, "dry_run": False}
 
 
 def stats(backend: SQLBackend, prefix: str, namespace: str | None) -> dict[str, Any]:
@@ -300,6 +321,15 @@ class SqlAdmin:
     def _status(doc: dict[str, Any]) -> IdempotencyStatus:
         state = KeyState.of(doc["state"])
         record, queued = doc["record"], doc.get("queued")
+        if state == KeyState.RUNNING and record is None:
+            # idempotency_publish_until="started": the running call, and the one behind it
+            running = doc.get("running")
+            return IdempotencyStatus(
+                key=doc["key"],
+                state=state,
+                task_id=None if running is None else running["task_id"],
+                queued_task_id=None if queued is None else queued["task_id"],
+            )
         if record is not None:
             return IdempotencyStatus(
                 key=doc["key"],
@@ -332,6 +362,9 @@ class SqlAdmin:
         found, held = row_state(self.backend, row)
         state = _state(found, held)
         deleted = None if held else 0
+        marked = 0
+        if not held and not dry_run:
+            marked = self.backend.forget_markers(row)  # the "started" mode's markers
         if found is not None and not held and not dry_run:
             deleted = _delete_row(self.backend, row)
         if deleted is None:
@@ -343,6 +376,8 @@ class SqlAdmin:
                 + (" (no force takes a row lock from a live session)" if force else ""),
             )
         if found is None:
+            if marked:
+                return Forgotten(key=key, state=KeyState.QUEUED, deleted=(row,))
             return Forgotten(key=key, state=state)
         if dry_run:
             return Forgotten(key=key, state=state, would_delete=(row,))
@@ -358,10 +393,12 @@ class SqlAdmin:
             ("key", key),
             ("state", _STATE_LINES[KeyState.of(doc["state"])]),
         ]
-        queued = doc.get("queued")
+        queued, running = doc.get("queued"), doc.get("running")
+        if running is not None:  # idempotency_publish_until="started"
+            lines.append(("running as", f"task {running['task_id']}"))
         if queued is not None:
             lines += [
-                ("task id", str(queued["task_id"] or "-")),
+                ("queued behind it" if running else "task id", str(queued["task_id"] or "-")),
                 ("marker ttl left", format_duration(queued["ttl"])),
             ]
         rec = doc["record"]

@@ -149,6 +149,10 @@ class SQLBackend:
         # row -> (task id, publish ttl) of a marker to queue again once this process's
         # transaction on the row has ended (requeue_marker)
         self._requeue_after: dict[str, tuple[str, float]] = {}
+        # whether the marker table of idempotency_publish_until="started" is there (None:
+        # not looked yet), and when it was last found missing (looked again after a while)
+        self._markers_ready: bool | None = None
+        self._markers_missing_at = 0.0
         self._check_driver(given)
 
     def __repr__(self) -> str:
@@ -178,9 +182,9 @@ class SQLBackend:
         raise NotImplementedError
 
     def _claim_begin(
-        self, row: str, statements: Sequence[Statement], lock_only: bool
+        self, row: str, statements: Sequence[Statement], lock_only: bool, ttl: float = 0.0
     ) -> tuple[Transaction, list[Any]]:
-        """Open the claim's transaction with its ``statements``."""
+        """Open the claim's transaction with its ``statements`` (``ttl``: the lease's)."""
         return self._begin(row, statements)
 
     def _claim_result(
@@ -194,6 +198,11 @@ class SQLBackend:
         """The statements of :meth:`is_locked`: a lock error when a transaction holds
         ``row``."""
         raise NotImplementedError
+
+    def _probe_held(self, results: Sequence[Any]) -> bool:
+        """From :meth:`_probe_statements`' results (no lock error): whether the unlocked row
+        still holds the key (PostgreSQL: a claimed marker within its lease)."""
+        return False
 
     def _waiting(self, statement: Statement) -> list[Statement]:
         """``statement`` waiting at most ``lock_timeout`` for a row's lock: the wait set
@@ -252,10 +261,10 @@ class SQLBackend:
             return resource[: at - 5] + resource[at:]
         return resource
 
-    def _claim(self, resource: str, row: str, lock_only: bool) -> Claim:
+    def _claim(self, resource: str, row: str, lock_only: bool, ttl: float = 0.0) -> Claim:
         statements = self._claim_statements(row, lock_only)
         try:
-            tx, results = self._claim_begin(row, statements, lock_only)
+            tx, results = self._claim_begin(row, statements, lock_only, ttl)
         except Exception as exc:
             if self._is_lock_error(exc):
                 return Claim(None, None)  # held (or a deadlock, rolled back): one failed attempt
@@ -297,16 +306,18 @@ class SQLBackend:
         return alive
 
     def is_locked(self, resource: str) -> bool:
-        """Whether a transaction holds ``resource``'s row (or is inserting it) now."""
+        """Whether a transaction holds ``resource``'s row (or is inserting it) now, or the
+        unlocked row still holds the key (PostgreSQL: a claimed marker within its lease, a
+        delivery's claim in flight or one whose transaction died with its client)."""
         row = self._lock_row(resource)
         try:
-            tx, _ = self._begin(row, self._probe_statements(row))
+            tx, results = self._begin(row, self._probe_statements(row))
         except Exception as exc:
             if self._is_lock_error(exc):
                 return True
             raise
         self._rollback(tx)
-        return False
+        return self._probe_held(results)
 
     def clear(self) -> None:
         """Roll back this process's open transactions and delete every row of the table."""
@@ -350,7 +361,14 @@ class SQLBackend:
         return hasattr(self.sql, "publish")
 
     def check_publish(
-        self, record: str, lock: str, task_id: str, fingerprint: str | None, publish_ttl: float
+        self,
+        record: str,
+        lock: str,
+        task_id: str,
+        fingerprint: str | None,
+        publish_ttl: float,
+        *,
+        until: str = "completed",
     ) -> PublishDecision:
         """Decide a publish of ``task_id`` in one flight: the key's row holds a live record
         (``completed``), a live queued marker of another call (``queued``, or ``mismatch``
@@ -359,9 +377,12 @@ class SQLBackend:
         set and the answer is ``publish``. A row that a running delivery holds without a
         marker (it was published unchecked) and an insert that waited past ``lock_timeout``
         are ``publish`` unchecked: the guard decides at run time. ``lock`` names the same
-        row. See each dialect's ``Statements.publish``."""
+        row. See each dialect's ``Statements.publish``. ``until="started"``
+        (``idempotency_publish_until``): the marker table's check, :meth:`_check_started`."""
         ttl = check_duration("publish_ttl", publish_ttl)
         row = self._row(record)
+        if until == "started":
+            return self._check_started(record, row, str(task_id), fingerprint, ttl)
         values = {
             "key": row,
             "tid": str(task_id),
@@ -382,6 +403,154 @@ class SQLBackend:
             if decision is not None:
                 return decision
         return PublishDecision("publish", unchecked=True)
+
+    # -- idempotency_publish_until="started": the marker table ----------------------------------
+
+    #: Whether ``check_publish(..., until="started")`` and the start and end of a call's
+    #: markers (:meth:`start_marker`, :meth:`end_marker`) are supported (a capability).
+    publishes_until_started = True
+
+    def markers_ready(self, *, create: bool = True) -> bool:
+        """Whether the marker table of ``idempotency_publish_until="started"`` exists;
+        created first when missing, with ``create`` and ``create_table`` (an install from
+        before the mode has none). ``create`` without ``create_table``: a clear error naming
+        the DDL to run. A table found missing is looked for again after 30 s."""
+        if self._markers_ready:
+            return True
+        recent = time.monotonic() - self._markers_missing_at < 30.0
+        if not create and self._markers_ready is False and recent:
+            return False
+        params = self.sql.markers_exists_params
+        found = bool(self.autocommit([(self.sql.markers_exists, params)])[0][0][0])
+        if not found and create:
+            if getattr(self, "alias", None) is not None:  # django://, on Django's connection
+                from celery_idempotent.backends.sql.django_backend import (  # noqa: PLC0415
+                    app_installed,
+                )
+
+                if app_installed():
+                    raise IdempotencyConnectionError(
+                        None,
+                        f"the marker table {self.sql.markers} of idempotency_publish_until="
+                        "'started' does not exist: with celery_idempotent.contrib.django "
+                        "installed the backend runs no DDL; run `manage.py migrate "
+                        "celery_idempotent` (its 0002_markers creates it)",
+                    )
+            if not self.create_table:
+                raise IdempotencyConnectionError(
+                    None,
+                    f"the marker table {self.sql.markers} of idempotency_publish_until="
+                    "'started' does not exist and create_table=False: run the DDL of "
+                    "'celery -A <app> idempotency sql' first (its CREATE TABLE IF NOT EXISTS "
+                    f"{self.sql.markers} and index)",
+                )
+            self._create_markers()
+            found = True
+        self._markers_ready = found
+        if not found:
+            self._markers_missing_at = time.monotonic()
+        return found
+
+    def _create_markers(self) -> None:
+        """Run the marker table's DDL (the dialect's)."""
+        raise NotImplementedError
+
+    def check_publish_until(
+        self,
+        record: str,
+        lock: str,
+        task_id: str,
+        fingerprint: str | None,
+        publish_ttl: float,
+        *,
+        until: str,
+    ) -> PublishDecision:
+        """:meth:`check_publish` as ``idempotency_publish_until=until`` says (the
+        :class:`~celery_idempotent.core.protocols.ChecksPublishesUntil` capability)."""
+        return self.check_publish(record, lock, task_id, fingerprint, publish_ttl, until=until)
+
+    def _check_started(
+        self, record: str, row: str, task_id: str, fingerprint: str | None, ttl: float
+    ) -> PublishDecision:
+        """The publish check of ``idempotency_publish_until="started"``: a live queued marker
+        of another call stops the publish (``queued``; ``mismatch`` under another fingerprint,
+        as a queued key does in the other mode); else a live record is published past
+        (unchecked: the worker replays it); otherwise this call's marker takes the key's one
+        queued slot and the answer is ``publish``. A running call has no queued marker (its
+        delivery ended it as the body started), so one more can queue behind it. Touches the
+        marker table only (the key's row is read, never waited for)."""
+        self.markers_ready()
+        values = {"key": row, "tid": task_id, "fp": fingerprint, "now": time.time(), "ttl": ttl}
+        try:
+            found = self._started_statement(values)
+        except Exception as exc:
+            if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
+                raise IdempotencyConnectionError(record, f"publish check: {exc}") from exc
+            raise
+        completed, first, stored_fp, left = found
+        if first is None:
+            return PublishDecision("publish", unchecked=True)  # past a record (or no answer)
+        if first == task_id:
+            return PublishDecision("publish", unchecked=completed)
+        ttl_left = None if left is None else max(0.0, float(left))
+        if fingerprint and stored_fp and stored_fp != fingerprint:
+            return PublishDecision(
+                "mismatch", first, None, stored_fp, state=KeyState.QUEUED, ttl_left=ttl_left
+            )
+        return PublishDecision("queued", first, state=KeyState.QUEUED, ttl_left=ttl_left)
+
+    def _started_statement(self, values: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+        """The publish check of ``idempotency_publish_until="started"`` in a transaction of
+        its own: (a live record, the queued slot's task id, its fingerprint, its seconds
+        left). ``values``: ``key`` (the row), ``tid``, ``fp``, ``now`` and ``ttl``."""
+        raise NotImplementedError
+
+    def start_marker(self, record: str, task_id: str, ttl: float) -> None:
+        """A body starts (its delivery holds the key's row): its queued marker ends, and the
+        key's running slot names ``task_id`` for ``ttl`` seconds at most (what the admin
+        reports while the row is held). One flight of its own, before the body runs."""
+        row = self._row(record)
+        self.markers_ready()
+        self.autocommit(
+            [
+                (self.sql.start_queued, (row, task_id)),
+                (self.sql.start_running, (row, task_id, time.time(), check_duration("ttl", ttl))),
+            ]
+        )
+
+    def end_marker(self, record: str, task_id: str) -> None:
+        """The delivery of ``task_id`` ended (the body ran, or a record was replayed): the
+        slots that name it end (its running slot; its queued marker, on a replay)."""
+        if self.markers_ready(create=False):
+            self.autocommit([(self.sql.end_started, (self._row(record), task_id))])
+
+    def started_slots(self, record: str) -> dict[str, tuple[str, float | None, float]]:
+        """The live slots of ``record`` in the marker table: ``{slot: (task id, age, ttl)}``
+        (``age``: seconds since the publish or the start, by that process's clock)."""
+        if not self.markers_ready(create=False):
+            return {}
+        rows = self.autocommit([(self.sql.started_slots, (self._row(record),))])[0]
+        now = time.time()
+        found: dict[str, tuple[str, float | None, float]] = {}
+        for slot, task_id, _fp, created_at, ttl in rows:
+            age = None if created_at is None else max(0.0, now - float(created_at))
+            found[str(slot)] = (str(task_id), age, max(0.0, float(ttl)))
+        return found
+
+    def forget_markers(self, record: str) -> int:
+        """Delete every marker row of ``record`` (forget); how many there were."""
+        if not self.markers_ready(create=False):
+            return 0
+        return int(self.autocommit([(self.sql.forget_markers, (self._row(record),))])[0])
+
+    def forget_markers_like(self, like: str, *, dry_run: bool = False) -> int:
+        """Delete (``dry_run``: count) the queued markers whose key is ``LIKE like`` (a
+        running slot stays: it is read only while its key's row is held, and replaced)."""
+        if not self.markers_ready(create=False):
+            return 0
+        if dry_run:
+            return int(self.autocommit([(self.sql.count_markers_like, (like,))])[0][0][0])
+        return int(self.autocommit([(self.sql.forget_markers_like, (like,))])[0])
 
     def _publish_decision(
         self, row: str, fingerprint: str | None, found: Sequence[Any]
@@ -470,13 +639,16 @@ class SQLBackend:
         """Delete ``task_id``'s queued marker row of ``record``; ``False`` when the row holds
         something else (a record committed since, another call's marker) or is gone."""
         row = self._row(record)
+        statements: list[Statement] = [(self.sql.drop_queued, (row, str(task_id)))]
         try:
-            done = self.autocommit([(self.sql.drop_queued, (row, str(task_id)))])
+            if self.markers_ready(create=False):  # a marker of the "started" mode
+                statements.append((self.sql.start_queued, (row, str(task_id))))
+            done = self.autocommit(statements)
         except Exception as exc:
             if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
                 raise IdempotencyConnectionError(record, f"queued marker delete: {exc}") from exc
             raise
-        return bool(done[0])
+        return any(bool(each) for each in done)
 
     def atomic_with(self, lock_provider: Any) -> SQLBackend | None:
         """Itself when ``lock_provider`` is this very backend: claim and commit in one step."""
@@ -487,8 +659,8 @@ class SQLBackend:
     def claim(self, resource: str, key: str, ttl: float) -> Claim:
         """Lock ``key``'s row in a new transaction, unless it holds an unexpired record (then
         that record, no lease); ``Claim(None, None)`` when held past ``lock_timeout``."""
-        check_duration("ttl", ttl)
-        return self._claim(resource, self._row(key), lock_only=False)
+        ttl = check_duration("ttl", ttl)
+        return self._claim(resource, self._row(key), lock_only=False, ttl=ttl)
 
     def commit(self, lease: Lease, key: str, record: IdempotencyRecord, ttl: float) -> bool:
         """Write the record into the lease's transaction and COMMIT it (with the body's
@@ -577,3 +749,8 @@ def _jitter() -> float:
     import random  # noqa: PLC0415
 
     return 0.5 + random.random()  # noqa: S311 - spreads the sweeps of many processes
+
+
+def statements_of(script: str) -> list[str]:
+    """The statements of a DDL script (``;`` at a line's end ends one)."""
+    return [each.strip() for each in script.split(";\n") if each.strip()]

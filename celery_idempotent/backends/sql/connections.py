@@ -1,20 +1,27 @@
 """What a guarded SQL transaction is, whichever the dialect: its connection and how it ends.
 
-:class:`Transaction` is one open lease's transaction (the dialects' transactions classes make
-and end them), :class:`Rollback` ends a Django ``atomic`` block by rolling it back,
+:class:`ConnectionPool` is the per-process pool of idle connections under each dialect's
+transactions class, :class:`Transaction` is one open lease's transaction (the dialects'
+transactions classes make and end them), :class:`Rollback` ends a Django ``atomic`` block by
+rolling it back,
 :func:`ended_by_body` is the error of a commit refused because the body ended the transaction
 itself, :func:`split_url` takes the backend's own query parameters off an SQL URL.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from celery_idempotent.core.exceptions import IdempotencyBackendError
 from celery_idempotent.core.protocols import Lease
 
-__all__ = ["OURS", "Rollback", "Transaction", "ended_by_body", "split_url"]
+__all__ = ["OURS", "ConnectionPool", "Rollback", "Transaction", "ended_by_body", "split_url"]
+
+log = logging.getLogger("celery_idempotent")
 
 
 class Rollback(Exception):
@@ -38,6 +45,84 @@ class Transaction:
         #: whether the body was handed the connection (current_connection()): then whatever
         #: session state it left is reset before the connection is pooled again
         self.lent = False
+
+
+class ConnectionPool:
+    """A per-process pool of at most ``max_idle`` idle connections, the table made sure of
+    (created unless ``create_table=False``) on the first connection; the base of each
+    dialect's transactions class, which says how to connect (:meth:`_connect`), whether a
+    connection may be pooled again (:meth:`_reusable`), how to close one (:meth:`_close`) and
+    how to make sure of the table (:meth:`_ensure_table`).
+
+    After a fork the parent's connections are never used nor closed in the child (nor its
+    open transactions): the first :meth:`_get` there starts afresh.
+    """
+
+    url: str | None
+    table: str
+    create_table: bool
+    max_idle: int
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ddl_lock = threading.Lock()
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._ready = False
+        self._open: dict[str, Transaction] = {}
+
+    def _connect(self) -> Any:
+        """A new connection (``ConnectionError`` when the server cannot be reached)."""
+        raise NotImplementedError
+
+    def _reusable(self, conn: Any) -> bool:
+        """Whether ``conn`` is open, healthy and outside any transaction."""
+        raise NotImplementedError
+
+    def _close(self, conn: Any) -> None:
+        """Close ``conn`` (a failure to is only logged)."""
+        raise NotImplementedError
+
+    def _ensure_table(self, conn: Any) -> None:
+        """Make sure the table exists on ``conn``'s server, then set ``_ready``."""
+        raise NotImplementedError
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                # Connections made before a fork belong to the parent: never use or close
+                # them here (psycopg itself does not end a connection of another process
+                # when it is garbage collected: tests/postgres/test_postgres_backend.py).
+                self._idle = []
+                self._open = {}
+                self._pid = os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = self._connect()
+        if not self._ready:
+            with self._ddl_lock:
+                if not self._ready:
+                    try:
+                        self._ensure_table(conn)
+                    except BaseException:
+                        conn.close()
+                        raise
+        return conn
+
+    def _put(self, conn: Any) -> None:
+        if self._reusable(conn) and self._pid == os.getpid():
+            with self._lock:
+                if len(self._idle) < self.max_idle:
+                    self._idle.append(conn)
+                    return
+        self._close(conn)
+
+    def close(self) -> None:
+        """Close the idle connections (open transactions are left to their holders)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            self._close(conn)
 
 
 def ended_by_body(aborted: bool) -> Exception:

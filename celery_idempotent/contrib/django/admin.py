@@ -133,8 +133,10 @@ class IdempotencyKeyAdmin(admin.ModelAdmin):
     def shown_state(self, obj: IdempotencyKey) -> str:
         if getattr(obj, "held", False):
             return KeyState.RUNNING.value
-        if obj.state == "claimed":  # a delivery claimed its marker and has ended since
-            return "free (claimed by an ended delivery)"
+        if obj.state == "claimed":
+            if obj.ttl_left() > 0:  # within the claim's lease: held (a killed delivery's too)
+                return KeyState.RUNNING.value
+            return "free (claimed by an ended delivery)"  # and its lease has run out
         if obj.ttl_left() <= 0:
             return f"expired ({obj.state})"
         return obj.state
