@@ -224,7 +224,7 @@ def run_cell(python: str, server: str, *, root: Path = ROOT, timeout: float = 90
 # release's own tools, listening on every address of the container (only its published port on
 # the host's 127.0.0.1 reaches it), trust / a password-holding user for the host's tests.
 _POSTGRES_START = (
-    "{bin}/initdb -D /tmp/pg -A trust -U postgres >/tmp/initdb.log"
+    "{bin}/initdb -D /tmp/pg -A trust -U postgres -E UTF8 --no-locale >/tmp/initdb.log"
     " && echo 'host all all 0.0.0.0/0 trust' >> /tmp/pg/pg_hba.conf"
     " && exec {bin}/postgres -D /tmp/pg -c listen_addresses='*' -c max_connections=300"
     " -c fsync=off -c synchronous_commit=off -k /tmp"
@@ -269,7 +269,7 @@ def _sql_ready(dialect: str, url: str) -> str | None:
     if not row:
         return None
     value = row[0]
-    # psycopg may hand back bytes when no text loader applies (an untyped result, seen here)
+    # psycopg hands back bytes from an SQL_ASCII database (initdb's default without a locale)
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
