@@ -7,6 +7,7 @@ re-queued delivery queues its marker again; the marker's age.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -42,7 +43,7 @@ def test_a_body_that_ends_without_committing_frees_its_key(pg_backend: Any) -> N
     assert check(pg_backend, "t-1").action == "publish"
     claim = pg_backend.claim(LOCK, REC, 30)
     assert claim.lease is not None
-    assert pg_backend.drop_queued(REC, "t-1") is False  # held now: left alone, no wait
+    assert pg_backend.drop_queued(REC, "t-1") is False  # held now: left to the body's end
     pg_backend.release(claim.lease)  # rolled back
     assert pg_backend.drop_queued(REC, "t-1") is True  # the worker knows it ended
     after = check(pg_backend, "t-2")
@@ -51,6 +52,75 @@ def test_a_body_that_ends_without_committing_frees_its_key(pg_backend: Any) -> N
     assert pg_backend.drop_queued(REC, "t-other") is False  # only its own marker
     assert pg_backend.drop_queued(REC, "t-2") is True
     assert check(pg_backend, "t-4").action == "publish"
+
+
+def _hold_row_for(pg_backend: Any, row: str, seconds: float) -> threading.Thread:
+    """Lock ``row`` from a connection of its own for ``seconds`` (as a status probe does for
+    a moment, ``is_locked``: FOR UPDATE NOWAIT, then ROLLBACK), in a thread; returns once
+    the lock is held."""
+    import psycopg
+
+    held = threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(pg_backend.url) as conn:
+            conn.execute(
+                f"SELECT 1 FROM {pg_backend._quoted_table()} WHERE key = %s FOR UPDATE", (row,)
+            )
+            held.set()
+            time.sleep(seconds)
+            conn.rollback()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(10)
+    return thread
+
+
+@pytest.mark.parametrize("change", ["drop", "requeue"])
+def test_a_marker_change_outlasts_a_probe_holding_its_row_for_a_moment(
+    pg_backend: Any, change: str
+) -> None:
+    # The changes never wait for a row lock (SKIP LOCKED: a running body holds its row), so
+    # a status probe holding the row for a moment made them skip it, and a dead call's marker
+    # then blocked its key for publish_ttl (the life-cycle matrix's "expired before claimed",
+    # under load). They try again while a plain read still shows their row.
+    assert check(pg_backend, "t-1").action == "publish"
+    row = pg_backend._row(REC)
+    if change == "requeue":
+        pg_backend.autocommit([(pg_backend.sql.claim_marker, (30, row))])  # claimed, unlocked
+    thread = _hold_row_for(pg_backend, row, 0.05)
+    try:
+        if change == "drop":
+            assert pg_backend.drop_queued(REC, "t-1") is True
+        else:
+            assert pg_backend.requeue_marker(REC, "t-1", 60) is True
+    finally:
+        thread.join()
+    after = check(pg_backend, "t-2")
+    if change == "drop":
+        assert (after.action, after.unchecked) == ("publish", False)
+    else:
+        assert (after.action, after.task_id) == ("queued", "t-1")
+
+
+def test_a_marker_change_leaves_a_row_held_past_its_retries_to_its_holder(
+    pg_backend: Any,
+) -> None:
+    # A lock held longer than the retries (a running body's) is not waited for: the change
+    # gives up after MARKER_RETRY_DELAYS and the marker stays, as before.
+    from celery_idempotent.backends.sql.backend import MARKER_RETRY_DELAYS
+
+    assert check(pg_backend, "t-1").action == "publish"
+    thread = _hold_row_for(pg_backend, pg_backend._row(REC), 3.0)
+    try:
+        started = time.monotonic()
+        assert pg_backend.drop_queued(REC, "t-1") is False
+        assert time.monotonic() - started < 2.5  # gave up, did not wait for the holder
+    finally:
+        thread.join()
+    assert sum(MARKER_RETRY_DELAYS) < 0.5
+    assert check(pg_backend, "t-2").task_id == "t-1"  # still queued
 
 
 def test_a_killed_delivery_holds_its_key_until_its_lease_runs_out(pg_backend: Any) -> None:

@@ -272,6 +272,16 @@ class Statements:
             "AND state IN ('queued', 'claimed') AND result = convert_to(%s, 'UTF8') "
             "FOR UPDATE SKIP LOCKED)"
         )
+        # Plain reads (never wait) of the rows drop_queued and requeue_marker are meant for:
+        # while one still shows, a change that skipped it met a lock held for a moment.
+        self.marker_named = (
+            f"SELECT 1 FROM {t} WHERE key = %s AND state IN ('queued', 'claimed') "
+            "AND result = convert_to(%s, 'UTF8')"
+        )
+        self.claimed_named = (
+            f"SELECT 1 FROM {t} WHERE key = %s AND state = 'claimed' "
+            "AND result = convert_to(%s, 'UTF8')"
+        )
         # Before a claim's BEGIN, in the same flight and committed on its own: the marker is
         # claimed, for the lease's ttl. Never waits (a row another delivery holds is left
         # alone). Until the claim's transaction locks the row (the next statements of the

@@ -41,6 +41,15 @@ log = logging.getLogger("celery_idempotent")
 #: One statement and its parameters, as the transactions classes run them.
 Statement = tuple[str, Sequence[Any]]
 
+#: Pauses (seconds) before a marker change that skipped its row is tried again, while a plain
+#: read still shows the marker it was meant for. Those changes never wait for a row lock
+#: (``SKIP LOCKED``: a running body holds its row for as long as it runs), so a probe that
+#: held the row for a moment (``is_locked``: a status read, the CLI's ``inspect``) made them
+#: skip it, and a dead call's marker then blocked its key for ``idempotency_publish_ttl``
+#: (seen in the PostgreSQL life-cycle matrix under load). A body's lock outlasts them all
+#: (0.155 s): the change is then left to that body's end, as before.
+MARKER_RETRY_DELAYS = (0.005, 0.01, 0.02, 0.04, 0.08)
+
 
 class SQLBackend:
     """Locks and records in one SQL table; the record commits in the body's transaction.
@@ -624,8 +633,21 @@ class SQLBackend:
         return self._requeue_now(row, str(task_id), ttl)
 
     def _requeue_now(self, row: str, task_id: str, ttl: float) -> bool:
-        done = self.autocommit([(self.sql.requeue_marker, (ttl, row, task_id))])
-        return bool(done[0])
+        change: Statement = (self.sql.requeue_marker, (ttl, row, task_id))
+        done = bool(self.autocommit([change])[0])
+        check = getattr(self.sql, "claimed_named", None)
+        return done or (check is not None and self._marker_retry(change, (check, (row, task_id))))
+
+    def _marker_retry(self, change: Statement, check: Statement) -> bool:
+        """Try ``change`` again after :data:`MARKER_RETRY_DELAYS` while ``check`` (a plain
+        read, which never waits) still finds the row it is meant for; whether it was made."""
+        for delay in MARKER_RETRY_DELAYS:
+            if not self.autocommit([check])[0]:
+                return False  # changed or gone meanwhile: nothing left to do
+            time.sleep(delay)
+            if self.autocommit([change])[0]:
+                return True
+        return False
 
     def _requeue_pending(self, row: str) -> None:
         pending = self._requeue_after.pop(row, None)
@@ -644,6 +666,9 @@ class SQLBackend:
             if self.markers_ready(create=False):  # a marker of the "started" mode
                 statements.append((self.sql.start_queued, (row, str(task_id))))
             done = self.autocommit(statements)
+            check = getattr(self.sql, "marker_named", None)
+            if not done[0] and check is not None:
+                done[0] = self._marker_retry(statements[0], (check, (row, str(task_id))))
         except Exception as exc:
             if isinstance(exc, (ConnectionError, OSError)) or _is_operational(exc):
                 raise IdempotencyConnectionError(record, f"queued marker delete: {exc}") from exc
