@@ -79,9 +79,10 @@ class IdempotencySettings:
 
     #: where locks and records live: ``redis://``, ``rediss://``, ``unix://``; ``postgresql://``
     #: (``postgres://``) or ``django://<alias>``: PostgreSQL, where the record commits in the
-    #: body's own transaction (:mod:`celery_idempotent.backends.postgres`); ``mysql://``: MySQL 8
-    #: or MariaDB 10.6+, likewise (:mod:`celery_idempotent.backends.mysql`; ``django://`` too when
-    #: the alias is on Django's MySQL engine); or ``memory://`` for one
+    #: body's own transaction (:mod:`celery_idempotent.backends.postgres`); ``mysql://``: MariaDB
+    #: 10.6+ (tested: 10.11) or MySQL 8.0.1+ (supported by design, not tested: no MySQL server
+    #: was available), likewise (:mod:`celery_idempotent.backends.mysql`; ``django://``
+    #: too when the alias is on Django's MySQL engine); or ``memory://`` for one
     #: process. ``None``: the ``broker_url`` when it is a Redis URL, the same Sentinel
     #: master when it is a ``sentinel://`` URL (with ``broker_transport_options['master_name']``,
     #: as kombu reads them), else an error that says so.

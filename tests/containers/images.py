@@ -21,6 +21,13 @@ the same inputs builds nothing):
 The same base image serves Redis, Valkey and RabbitMQ containers (their Debian packages are in
 it); the worker image runs Celery workers and the in-container test runs.
 
+The SQL servers have images of their own (``celery-idempotent/sql-<distro>:<key>``, built like a
+base: debootstrap, ``docker import``, the tarball cached), one per release, with that release's
+``postgresql-<major>`` and MariaDB (``default-mysql-server-core``, the client for the set-up):
+PostgreSQL 13 / MariaDB 10.5 (bullseye), 15 / 10.11 (bookworm), 17 / 11.8 (trixie). They are
+kept apart from the base images so that adding them rebuilt no base and no worker image, and
+they are built only when an SQL cell of the matrix asks (``--sql`` builds them too).
+
 Run it as ``python -m tests.containers build`` (``--distro bookworm`` for one, ``--json`` for
 the timings); the pytest fixtures (``tests/containers/conftest.py``) call :func:`ensure` too, so a
 first test run builds what is missing. The cache directory is ``CELERY_IDEMPOTENT_IMAGE_CACHE``
@@ -30,6 +37,7 @@ first test run builds what is missing. The cache directory is ``CELERY_IDEMPOTEN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -47,6 +55,7 @@ from typing import Any
 
 __all__ = [
     "DISTROS",
+    "SQL_DISTROS",
     "BuildError",
     "Distro",
     "Images",
@@ -116,6 +125,19 @@ DISTROS: dict[str, Distro] = {
         ("python3", "python3-venv", "redis-server", "valkey-server", "procps"),
         {"redis-8": "redis-server", "valkey-8": "valkey-server"},
     ),
+}
+
+
+#: Debian release -> its SQL server image's packages (PostgreSQL's major version is in the name;
+#: ``default-mysql-server-core`` is the release's MariaDB, whatever its version).
+SQL_DISTROS: dict[str, Distro] = {
+    name: Distro(
+        name,
+        DISTROS[name].python,
+        (f"postgresql-{major}", "default-mysql-server-core", "default-mysql-client", "procps"),
+        {f"postgresql-{major}": f"/usr/lib/postgresql/{major}/bin/postgres", "mariadb": "mariadbd"},
+    )
+    for name, major in (("bullseye", "13"), ("bookworm", "15"), ("trixie", "17"))
 }
 
 
@@ -227,11 +249,34 @@ def _debootstrap(distro: Distro, tarball: Path) -> None:
             conf = rootfs / "etc/rabbitmq/rabbitmq.conf"
             conf.parent.mkdir(parents=True, exist_ok=True)
             conf.write_text(RABBITMQ_CONF)
+        _stop_processes_in(rootfs)
         partial = tarball.with_suffix(".partial")
         _run("tar", ["tar", "-C", str(rootfs), "-cf", str(partial), "."])
         partial.rename(tarball)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _stop_processes_in(rootfs: Path) -> None:
+    """SIGKILL what a package's postinst left running in the new root filesystem (a server
+    package may start its service in the chroot), so the tarball is of files nobody writes."""
+    import signal
+
+    target = rootfs.resolve()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            root = (proc / "root").resolve()
+        except OSError:
+            continue
+        if root == target:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(proc.name), signal.SIGKILL)
+    for sub in ("proc", "sys", "dev/pts"):
+        mount = rootfs / sub
+        if os.path.ismount(mount):
+            subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def ensure_base(client: Any, distro: Distro, images: Images) -> str:
@@ -249,6 +294,33 @@ def ensure_base(client: Any, distro: Distro, images: Images) -> str:
     start = time.monotonic()
     _run("docker import", ["docker", "import", str(tarball), tag])
     _timed(images, f"import {distro.name}", start)
+    images.built.append(tag)
+    return tag
+
+
+def sql_tag(distro: Distro) -> str:
+    """The SQL server image of ``distro`` (one of :data:`SQL_DISTROS`)."""
+    return f"celery-idempotent/sql-{distro.name}:{base_key(distro)}"
+
+
+def ensure_sql(distro: Distro, images: Images | None = None) -> str:
+    """Make (or find) the SQL server image of ``distro``: debootstrap, then ``docker import``."""
+    images = images if images is not None else Images()
+    client = _docker()
+    tag = sql_tag(distro)
+    images.base[f"sql-{distro.name}"] = tag
+    if _has_image(client, tag):
+        return tag
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    tarball = cache / f"rootfs-sql-{distro.name}-{base_key(distro)}.tar"
+    if not tarball.exists():
+        start = time.monotonic()
+        _debootstrap(distro, tarball)
+        _timed(images, f"debootstrap sql-{distro.name}", start)
+    start = time.monotonic()
+    _run("docker import", ["docker", "import", str(tarball), tag])
+    _timed(images, f"import sql-{distro.name}", start)
     images.built.append(tag)
     return tag
 
@@ -439,8 +511,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--distro", action="append", choices=sorted(DISTROS), help="default: all of them"
     )
     build.add_argument("--json", action="store_true", help="print tags and timings as JSON")
+    build.add_argument(
+        "--sql", action="store_true", help="the SQL server images too (the matrix's SQL cells)"
+    )
     matrix = sub.add_parser("matrix", help="run the core subset in every Python x server cell")
-    matrix.add_argument("--cell", action="append", help="PYTHON:SERVER, e.g. 3.11:redis-7.0")
+    matrix.add_argument(
+        "--cell",
+        action="append",
+        help="PYTHON:SERVER, e.g. 3.11:redis-7.0, or sql:SERVER, e.g. sql:mariadb-10.11",
+    )
     matrix.add_argument("--report", type=Path, help="write the cells' results there (JSON)")
     args = parser.parse_args(argv)
     if args.command == "matrix":
@@ -450,6 +529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cells.main(chosen, args.report)  # type: ignore[arg-type]
     start = time.monotonic()
     images = ensure(args.distro or list(DISTROS))
+    if args.sql:
+        with ThreadPoolExecutor(max_workers=len(SQL_DISTROS)) as pool:
+            names = [name for name in args.distro or SQL_DISTROS if name in SQL_DISTROS]
+            for future in [pool.submit(ensure_sql, SQL_DISTROS[name], images) for name in names]:
+                future.result()
     images.timings["total"] = round(time.monotonic() - start, 1)
     if args.json:
         print(json.dumps(images.__dict__, indent=2))

@@ -12,14 +12,27 @@ Tests of the subset that start servers of their own (``redis_server_factory``, S
 the TCP proxy) are deselected in the container (``matrix_plugin``): they would run the test
 image's own ``redis-server``, not the cell's. The cell checks the server's version too.
 
-``python -m tests.containers matrix`` runs every cell and prints the table;
-``pytest -m matrix`` (``tests/containers/test_matrix.py``) runs each cell as a test.
+The SQL servers have cells of their own (:data:`SQL_SERVERS`): a server container from one
+Debian release's SQL image (``images.ensure_sql``: its ``postgresql-<major>`` or its MariaDB),
+its port published on 127.0.0.1 only, and the SQL subset (:data:`SQL_SUBSET`: the SQL backends'
+shared contract, the store contract every backend passes, the backend's own tests) run by the
+host's Python with ``POSTGRES_URL`` / ``MYSQL_URL`` naming it. MariaDB 10.5 (bullseye) is below
+the documented floor (10.6: ``SKIP LOCKED``): its cell runs the server-version test, which
+asserts that the backend refuses that server at first use with an error naming the floor.
+
+``python -m tests.containers matrix`` runs every cell and prints the tables (``--cell
+sql:mariadb-10.11`` for one SQL cell); ``pytest -m matrix`` (``tests/containers/test_matrix.py``)
+runs each Python x server cell as a test, ``pytest -m sql_matrix`` (``test_sql_matrix.py``)
+each SQL cell.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -27,9 +40,19 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tests.containers.images import ROOT, ensure
+from tests.containers.images import ROOT, SQL_DISTROS, ensure, ensure_sql
 
-__all__ = ["CELLS", "CORE_SUBSET", "PYTHONS", "SERVERS", "CellResult", "run_cell"]
+__all__ = [
+    "CELLS",
+    "CORE_SUBSET",
+    "PYTHONS",
+    "SERVERS",
+    "SQL_SERVERS",
+    "SQL_SUBSET",
+    "CellResult",
+    "run_cell",
+    "run_sql_cell",
+]
 
 CORE_SUBSET = (
     "tests/unit/test_guard_rules.py",
@@ -50,6 +73,34 @@ SERVERS = {
     "valkey-8": ("trixie", "valkey-server", "8."),
 }
 CELLS = [(python, server) for python in PYTHONS for server in SERVERS]
+
+#: SQL server -> (the release whose SQL image has it, the dialect, the version prefix it reports).
+SQL_SERVERS = {
+    "postgresql-13": ("bullseye", "postgres", "13."),
+    "postgresql-15": ("bookworm", "postgres", "15."),
+    "postgresql-17": ("trixie", "postgres", "17."),
+    "mariadb-10.5": ("bullseye", "mysql", "10.5."),
+    "mariadb-10.11": ("bookworm", "mysql", "10.11."),
+    "mariadb-11.8": ("trixie", "mysql", "11.8."),
+}
+#: The servers below the documented floor: their cell checks the refusal, not the contract.
+REFUSED_SQL = {"mariadb-10.5"}
+#: Per dialect: the SQL backends' shared contract, the store contract, the backend's own tests.
+SQL_SUBSET = {
+    "postgres": (
+        "tests/postgres/test_postgres_sql_contract.py",
+        "tests/postgres/test_postgres_contract.py",
+        "tests/postgres/test_postgres_backend.py",
+    ),
+    "mysql": (
+        "tests/mysql/test_mysql_sql_contract.py",
+        "tests/mysql/test_mysql_contract.py",
+        "tests/mysql/test_mysql_backend.py",
+        "tests/mysql/test_mysql_server_version.py",
+    ),
+}
+#: What a refused server's cell runs (``CIDEM_EXPECT_REFUSED`` makes the test insist on it).
+REFUSED_SUBSET = ("tests/mysql/test_mysql_server_version.py",)
 
 
 @dataclass
@@ -169,6 +220,144 @@ def run_cell(python: str, server: str, *, root: Path = ROOT, timeout: float = 90
     )
 
 
+# The server's start, as the container's command: a data directory made in /tmp by the
+# release's own tools, listening on every address of the container (only its published port on
+# the host's 127.0.0.1 reaches it), trust / a password-holding user for the host's tests.
+_POSTGRES_START = (
+    "{bin}/initdb -D /tmp/pg -A trust -U postgres -E UTF8 --no-locale >/tmp/initdb.log"
+    " && echo 'host all all 0.0.0.0/0 trust' >> /tmp/pg/pg_hba.conf"
+    " && exec {bin}/postgres -D /tmp/pg -c listen_addresses='*' -c max_connections=300"
+    " -c fsync=off -c synchronous_commit=off -k /tmp"
+)
+_MARIADB_START = (
+    "mariadb-install-db --no-defaults --datadir=/tmp/db --auth-root-authentication-method=normal"
+    " >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; };"
+    " mariadbd --no-defaults --datadir=/tmp/db --port=3306 --bind-address=0.0.0.0"
+    " --socket=/tmp/db.sock --skip-name-resolve --max-connections=300 --skip-log-bin"
+    " --innodb-flush-log-at-trx-commit=2 --innodb-buffer-pool-size=64M & pid=$!;"
+    " for i in $(seq 600); do [ -S /tmp/db.sock ] && break; sleep 0.1; done;"
+    " mariadb -uroot -S /tmp/db.sock -e \"CREATE USER 'cidem'@'%' IDENTIFIED BY 'cidem';"
+    " GRANT ALL ON *.* TO 'cidem'@'%' WITH GRANT OPTION; CREATE DATABASE cidem;"
+    " CREATE USER 'ready'@'%'\" || exit 1; wait $pid"
+)
+
+
+def _sql_ready(dialect: str, url: str) -> str | None:
+    """The server's version once it answers ``url`` (and, for MariaDB, the set-up is done)."""
+    try:
+        if dialect == "postgres":
+            import psycopg
+
+            with psycopg.connect(url, connect_timeout=2, autocommit=True) as conn:
+                row = conn.execute("SELECT current_setting('server_version')::text").fetchone()
+        else:
+            import pymysql
+
+            from celery_idempotent.backends.mysql.connections import connect_args
+
+            conn = pymysql.connect(**{**connect_args(url), "connect_timeout": 2})
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT VERSION(), (SELECT COUNT(*) FROM mysql.user "
+                                "WHERE user = 'ready')")  # fmt: skip
+                    found = cur.fetchone()
+                row = (found[0],) if found and found[1] else None
+            finally:
+                conn.close()
+    except Exception:
+        return None
+    if not row:
+        return None
+    value = row[0]
+    # psycopg hands back bytes from an SQL_ASCII database (initdb's default without a locale)
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def run_sql_cell(server: str, *, root: Path = ROOT, timeout: float = 900) -> CellResult:
+    """Run :data:`SQL_SUBSET` (or, for a refused server, :data:`REFUSED_SUBSET`) on the host
+    against a ``server`` container (one of :data:`SQL_SERVERS`)."""
+    distro, dialect, prefix = SQL_SERVERS[server]
+    image = ensure_sql(SQL_DISTROS[distro])
+    name = f"cidem-sql-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    if dialect == "postgres":
+        major = server.split("-", 1)[1]
+        command = _POSTGRES_START.format(bin=f"/usr/lib/postgresql/{major}/bin")
+        user, port = "postgres", 5432
+    else:
+        command, user, port = _MARIADB_START, "nobody", 3306
+    try:
+        _docker(
+            "run", "-d", "--name", name, "--user", user, "-p", f"127.0.0.1::{port}",
+            "--tmpfs", "/tmp:exec,mode=1777", image, "sh", "-c", command,
+        )  # fmt: skip
+        host_port = _docker("port", name, f"{port}/tcp").splitlines()[0].rsplit(":", 1)[1]
+        if dialect == "postgres":
+            url = f"postgresql://postgres@127.0.0.1:{host_port}/postgres"
+        else:
+            url = f"mysql://cidem:cidem@127.0.0.1:{host_port}/cidem"
+        version = None
+        deadline = time.monotonic() + 180
+        while version is None:
+            if time.monotonic() > deadline:
+                logs = _docker("logs", name, check=False, timeout=30)
+                raise RuntimeError(f"{server} ({image}) did not start: {logs[-2000:]}")
+            time.sleep(0.5)
+            version = _sql_ready(dialect, url)
+        if not version.startswith(prefix):
+            raise RuntimeError(f"{image} reports {server} version {version!r}")
+        refused = server in REFUSED_SQL
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in {"REDIS_URL", "POSTGRES_URL", "MYSQL_URL", "CIDEM_EXPECT_REFUSED"}
+        }
+        env.update(CELERY_IDEMPOTENT_STRICT="1")
+        env["POSTGRES_URL" if dialect == "postgres" else "MYSQL_URL"] = url
+        if refused:
+            env["CIDEM_EXPECT_REFUSED"] = "1"
+        subset = REFUSED_SUBSET if refused else SQL_SUBSET[dialect]
+        with tempfile.TemporaryDirectory(prefix="cidem-sql-") as out:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                 f"--junitxml={out}/junit.xml", *subset],
+                check=False, capture_output=True, text=True, timeout=timeout, cwd=root, env=env,
+            )  # fmt: skip
+            counts = _counts(Path(out) / "junit.xml")
+    finally:
+        _docker("rm", "-f", name, check=False)
+    failed, errors, skipped = counts["failures"], counts["errors"], counts["skipped"]
+    xfailed = counts["xfailed"]
+    return CellResult(
+        python=f"{platform.python_version()} (host)",
+        server=server,
+        server_version=version,
+        passed=counts["tests"] - failed - errors - skipped - xfailed,
+        failed=failed,
+        errors=errors,
+        skipped=skipped,
+        xfailed=xfailed,
+        seconds=round(time.monotonic() - started, 1),
+        exit_code=proc.returncode,
+        output_tail=(proc.stdout + proc.stderr)[-3000:],
+    )
+
+
+def sql_table(results: list[CellResult]) -> str:
+    """The SQL cells as a Markdown table: server, version, what ran, passed (failed)."""
+    lines = ["| Server | Release | Version | Subset | Result |", "|---|---|---|---|---|"]
+    for result in results:
+        distro = SQL_SERVERS[result.server][0]
+        subset = "refusal" if result.server in REFUSED_SQL else "SQL contract"
+        mark = "pass" if result.ok else "FAIL"
+        failed = result.failed + result.errors
+        lines.append(
+            f"| {result.server} | {distro} | {result.server_version} | {subset} | "
+            f"{mark}: {result.passed} passed, {failed} failed |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: list[CellResult]) -> str:
     """The matrix as a Markdown table: passed (failed) per Python x server."""
     lines = ["| Python | " + " | ".join(SERVERS) + " |", "|---" * (len(SERVERS) + 1) + "|"]
@@ -189,17 +378,28 @@ def table(results: list[CellResult]) -> str:
 
 
 def main(cells: list[tuple[str, str]] | None = None, report: Path | None = None) -> int:
-    results = []
-    for python, server in cells or CELLS:
-        result = run_cell(python, server)
-        results.append(result)
-        print(f"{python} x {server} ({result.server_version}): {result.passed} passed, "
+    """Run ``cells`` (every cell, the SQL ones too, by default) and print the tables;
+    an SQL cell is ``("sql", server)``."""
+    results, sql_results = [], []
+    chosen = cells or [*CELLS, *(("sql", server) for server in SQL_SERVERS)]
+    for python, server in chosen:
+        if python == "sql":
+            result = run_sql_cell(server)
+            sql_results.append(result)
+        else:
+            result = run_cell(python, server)
+            results.append(result)
+        print(f"{result.python} x {server} ({result.server_version}): {result.passed} passed, "
               f"{result.failed} failed, {result.errors} errors, {result.skipped} skipped, "
               f"{result.xfailed} xfailed "
               f"in {result.seconds} s", flush=True)  # fmt: skip
         if not result.ok:
             print(result.output_tail, flush=True)
-    print(table(results))
+    if results:
+        print(table(results))
+    if sql_results:
+        print(sql_table(sql_results))
+    every = results + sql_results
     if report is not None:
-        report.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    return 0 if all(r.ok for r in results) else 1
+        report.write_text(json.dumps([asdict(r) for r in every], indent=2))
+    return 0 if all(r.ok for r in every) else 1
