@@ -197,6 +197,22 @@ class IdempotentTask(Task):  # type: ignore[misc]
         ``app.send_task`` does not come through here.
         """
         retrying = _retrying.get()
+        hands_over = retrying is not None and retrying == (self.name, task_id)
+
+        def send(task_id: str, options: dict[str, Any], producer: Any) -> Any:
+            if hands_over and _retrying.get() is not None:
+                # Celery has decided to publish the retry of the delivery running now (a
+                # refused retry never gets here): the delivery gives up its lease, and its
+                # marker names the retry, queued again, just before the message is pushed,
+                # so that the retry finds its key free however soon it is delivered (after
+                # the push, a retry due in 0.05 s could find it held and wait). A push that
+                # fails then makes Celery's retry raise Reject: the marker ends with it.
+                _retrying.set(None)
+                delivery.hand_over(self)
+            return super(IdempotentTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+
         result = publish(
             self,
             args,
@@ -205,14 +221,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
             link=link,
             link_error=link_error,
             options=options,
-            send=lambda task_id, options, producer: super(IdempotentTask, self).apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
-            ),
+            send=send,
             producer=producer,
         )
-        if retrying is not None and retrying == (self.name, task_id):
-            # The retry message of the delivery running now is published: only now does the
-            # delivery give up its lease (and its marker names the retry, queued again).
+        if hands_over and _retrying.get() is not None:
+            # Published without our send (none of today's paths): hand over after it.
             _retrying.set(None)
             delivery.hand_over(self)
         return result
